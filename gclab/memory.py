@@ -1,0 +1,358 @@
+"""Measure the bytes that live tensors hold on a device.
+
+`Meter` is the one way the course measures tensor memory:
+
+* on a CUDA device it reads the caching allocator (`torch.cuda.memory_allocated`),
+  and a budget is enforced by the real allocator;
+* on the CPU it counts, exactly, the storage bytes of every tensor created while the
+  meter is active and still alive, and a budget is *simulated*: an allocation that
+  would pass it raises `torch.OutOfMemoryError` before the machine's memory is at risk.
+
+The CPU count is made by a `TorchDispatchMode` that sees every aten operation,
+forward and backward.  An operation whose schema says its result aliases an input
+(views, in-place and `out=` variants) allocates nothing; any other result's storage
+is new and is counted until the storage object is finalised, which happens the
+instant its last reference (a variable, a view, an autograd graph) goes away.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Meter", "MeterPoint", "default_device", "describe_device", "format_bytes"]
+
+MiB = 1024**2
+
+# Operations whose schema returns an alias of their input, yet which are how a tensor
+# built outside the dispatcher (torch.tensor([...])) first appears to it.
+_LIFT_OPS = {"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"}
+
+
+def default_device() -> torch.device:
+    """The device the course runs on: the current CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def describe_device(device) -> str:
+    """One line that says what the meter measures on `device`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"CUDA device {device} ({name}): the caching allocator's own counters, a real budget"
+    return ("CPU: exact byte count of live tensor storage; "
+            "no GPU here, so any device budget is simulated by the meter")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes as a short human string: 512 B, 3.0 KiB, 2.00 MiB, 1.50 GiB."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 1024**3), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+@dataclass(frozen=True)
+class MeterPoint:
+    """One point of a meter's timeline."""
+    label: str
+    seconds: float      # since the meter started
+    allocated: int      # bytes, as `Meter.allocated()` returned
+
+
+def _returns_alias(func) -> bool:
+    return any(ret.alias_info is not None for ret in func._schema.returns)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+_expired = torch.UntypedStorage._expired
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
+
+
+class _Ballast:
+    """A tiny collector-tracked object, held in reserve to keep the meter collector-neutral.
+
+    Asking a tensor for its storage creates a Python storage object that lives as long as
+    the storage and counts as one allocation towards the collector's generation-0
+    threshold, which no unmetered program pays.  For each such object the meter frees one
+    `_Ballast`, and gives one back when a storage is freed by reference counting, so a
+    metered loop triggers collections when the same loop unmetered would (see
+    tests/test_memory.py::test_metering_does_not_change_when_the_collector_runs).
+    """
+    __slots__ = ()
+
+
+_BALLAST_RESERVE = 16384
+_ballast: list = []
+
+
+def _refill_ballast():
+    was_enabled = gc.isenabled()
+    gc.disable()        # one collection at most after a refill, not one per 700 objects
+    try:
+        _ballast.extend(_Ballast() for _ in range(_BALLAST_RESERVE - len(_ballast)))
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+_refill_ballast()
+
+
+class _CpuStorageTracker(TorchDispatchMode):
+    """Counts live CPU storages created while it is the active dispatch mode.
+
+    Its bookkeeping is dicts of plain integers (a storage's address, a C-level weak
+    reference to it, its size): none of it is tracked by Python's collector, so metering
+    a loop does not change when the collector runs, which is what lessons measure.
+    """
+
+    def __init__(self, budget: int | None):
+        super().__init__()
+        self.budget = budget
+        self._weak: dict[int, int] = {}   # storage address -> weak reference handle
+        self._size: dict[int, int] = {}   # storage address -> bytes
+        self._counted = 0                 # bytes in _size, some perhaps freed since the last sweep
+        self.peak = 0
+        self._aliasing: dict = {}         # op -> does its schema return an alias of an input?
+        self._collections = 0             # collections seen so far
+        self._collections_at_sweep = 0
+
+    def __enter__(self):
+        gc.callbacks.append(self._on_gc)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        result = super().__exit__(*exc)
+        _refill_ballast()     # after measuring, so the refill's allocations land outside it
+        return result
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._collections += 1
+
+    @property
+    def total(self) -> int:
+        """Bytes held by live counted storages, exact at the moment of the call."""
+        return self._sweep()
+
+    def _sweep(self) -> int:
+        freed = [k for k, ref in self._weak.items() if _expired(ref)]
+        for key in freed:
+            _free_weak_ref(self._weak.pop(key))
+            self._counted -= self._size.pop(key)
+        # Storages freed by a collection did not lower the collector's count (it had
+        # just been reset); those freed by reference counting did, so give that back.
+        if freed and self._collections == self._collections_at_sweep:
+            _ballast.extend(_Ballast() for _ in freed)
+        self._collections_at_sweep = self._collections
+        return self._counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            aliasing = self._aliasing[func] = _returns_alias(func)
+        if aliasing and func._schema.name not in _LIFT_OPS:
+            return out
+        new = self._new_storages(out)
+        if new:
+            self._admit(new, func)
+        return out
+
+    def _new_storages(self, out):
+        found = {}
+        for tensor in _tensors(out):
+            if tensor.device.type != "cpu":
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in found or not storage.nbytes():
+                continue
+            if key in self._weak:
+                if not _expired(self._weak[key]):
+                    continue              # already counted
+                self._sweep()             # a freed storage's address was reused
+            found[key] = storage
+        return found
+
+    def _admit(self, new, func):
+        nbytes = sum(s.nbytes() for s in new.values())
+        over_budget = self.budget is not None and self._counted + nbytes > self.budget
+        if over_budget or self._counted + nbytes > self.peak:
+            self._sweep()                 # make the count exact before judging it
+        if self.budget is not None and self._counted + nbytes > self.budget:
+            raise torch.OutOfMemoryError(
+                f"Simulated CPU budget exceeded: {func._schema.name} tried to allocate "
+                f"{format_bytes(nbytes)} with {format_bytes(self._counted)} of the "
+                f"{format_bytes(self.budget)} budget already held by live tensors. "
+                "(No GPU here: gclab.memory.Meter enforces this budget in place of the CUDA allocator.)")
+        for key, storage in new.items():
+            self._weak[key] = storage._weak_ref()
+            self._size[key] = storage.nbytes()
+            if _ballast:
+                _ballast.pop()
+        self._counted += nbytes
+        self.peak = max(self.peak, self._counted)
+
+    def forget_all(self):
+        """Stop counting and release the weak references."""
+        for ref in self._weak.values():
+            _free_weak_ref(ref)
+        self._weak.clear()
+        self._size.clear()
+        self._counted = 0
+
+
+class Meter:
+    """Bytes held by live tensors on one device, with a peak, an optional budget and a timeline.
+
+    >>> with Meter("cpu") as m:
+    ...     x = torch.zeros(1024)
+    ...     m.allocated()
+    4096
+
+    On CPU the count starts at 0 and covers tensors created inside the `with` block.
+    On CUDA `allocated()` is `torch.cuda.memory_allocated()` (everything live on the
+    device) and `baseline` is its value on entry; compare `growth()` to judge a leak
+    the same way on both.
+    """
+
+    def __init__(self, device=None, budget: int | None = None):
+        self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"Meter measures 'cpu' or 'cuda' tensors, not {self.device.type!r}")
+        if budget is not None and budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        self.budget = budget
+        self.timeline: list[MeterPoint] = []
+        self.baseline = 0
+        self.oom: MeterPoint | None = None
+        self._tracker: _CpuStorageTracker | None = None
+        self._cuda_fraction: float | None = None
+        self._started: float | None = None   # time.perf_counter() when the meter started
+        self._active = False
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def started(self) -> float | None:
+        """`time.perf_counter()` when the meter started (None before), to line it up with gcwatch."""
+        return self._started
+
+    @property
+    def simulated(self) -> bool:
+        """True when the budget is enforced by the meter rather than a real allocator."""
+        return not self.is_cuda
+
+    def describe(self) -> str:
+        return describe_device(self.device)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def __enter__(self) -> "Meter":
+        if self._active:
+            raise RuntimeError("this Meter is already running; create a new one")
+        self._active = True
+        self._started = time.perf_counter()
+        if self.is_cuda:
+            self._enter_cuda()
+        else:
+            self._tracker = _CpuStorageTracker(self.budget)
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError) and self.oom is None:
+            self.oom = self._point("OOM")
+        if self.is_cuda:
+            self._exit_cuda()
+        else:
+            self._final = (self._tracker.total, self._tracker.peak)
+            self._tracker.__exit__(exc_type, exc, tb)
+            self._tracker.forget_all()
+        self._active = False
+        return False
+
+    def _enter_cuda(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.baseline = torch.cuda.memory_allocated(self.device)
+        if self.budget is not None:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            cap = torch.cuda.memory_reserved(self.device) + self.budget
+            self._cuda_fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
+
+    def _exit_cuda(self):
+        self._final = (torch.cuda.memory_allocated(self.device),
+                       torch.cuda.max_memory_allocated(self.device))
+        if self._cuda_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self._cuda_fraction, self.device)
+            self._cuda_fraction = None
+
+    # -- readings --------------------------------------------------------------------
+    def allocated(self) -> int:
+        """Bytes held right now by live tensors on the device (see the class docstring)."""
+        if not self._active:
+            return self._final[0] if self._started is not None else 0
+        if self.is_cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return self._tracker.total
+
+    def growth(self) -> int:
+        """`allocated()` minus its value when the meter started."""
+        return self.allocated() - self.baseline
+
+    def peak(self) -> int:
+        """The most `allocated()` has been since the meter started."""
+        if not self._active:
+            return self._final[1] if self._started is not None else 0
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._tracker.peak
+
+    def reserved(self) -> int:
+        """Bytes the device's allocator holds, cached blocks included.
+
+        The CPU meter has no cache, so there it equals `allocated()`.
+        """
+        if self.is_cuda and self._active:
+            return torch.cuda.memory_reserved(self.device)
+        return self.allocated()
+
+    def record(self, label: str = "") -> MeterPoint:
+        """Append the current reading to `timeline` and return it."""
+        point = self._point(label)
+        self.timeline.append(point)
+        return point
+
+    def _point(self, label: str) -> MeterPoint:
+        return MeterPoint(label, time.perf_counter() - self._started, self.allocated())
+
+    def __repr__(self):
+        state = "running" if self._active else "stopped"
+        budget = f", budget={format_bytes(self.budget)}" if self.budget else ""
+        return (f"<Meter {self.device} {state}: allocated={format_bytes(self.allocated())}, "
+                f"peak={format_bytes(self.peak())}{budget}>")
