@@ -244,7 +244,11 @@ class Meter:
         if budget is not None and budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.budget = budget
-        self.timeline: list[MeterPoint] = []
+        # The timeline is kept as lists of plain numbers and strings: appending to them
+        # allocates no object the collector counts, so recording does not change when it runs.
+        self._labels: list[str] = []
+        self._seconds: list[float] = []
+        self._bytes: list[int] = []
         self.baseline = 0
         self.oom: MeterPoint | None = None
         self._tracker: _CpuStorageTracker | None = None
@@ -342,11 +346,18 @@ class Meter:
             return torch.cuda.memory_reserved(self.device)
         return self.allocated()
 
-    def record(self, label: str = "") -> MeterPoint:
-        """Append the current reading to `timeline` and return it."""
-        point = self._point(label)
-        self.timeline.append(point)
-        return point
+    def record(self, label: str = "") -> int:
+        """Append the current reading to `timeline`; returns the bytes allocated now."""
+        allocated = self.allocated()
+        self._labels.append(label)
+        self._seconds.append(time.perf_counter() - self._started)
+        self._bytes.append(allocated)
+        return allocated
+
+    @property
+    def timeline(self) -> list[MeterPoint]:
+        """The recorded points, in order."""
+        return [MeterPoint(*point) for point in zip(self._labels, self._seconds, self._bytes)]
 
     def _point(self, label: str) -> MeterPoint:
         return MeterPoint(label, time.perf_counter() - self._started, self.allocated())

@@ -1,0 +1,37 @@
+"""nbgrader settings of the course.
+
+The course root is the repository: `solutions/` is nbgrader's source folder (one
+assignment folder per lesson) and `notebooks/` its release folder.  Run nbgrader from
+this folder (`cd autograder && nbgrader generate_assignment 03_node_leak --force`) or
+use the `gclab release` / `gclab grade` commands, which load this file.
+"""
+import os
+
+c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+c.CourseDirectory.course_id = "gc-gpu-memory"
+c.CourseDirectory.root = ROOT
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "notebooks"
+c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "autograder", "gradebook.db")
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.png", "*.pickle"]
+
+# Lessons run loops and plots in single cells; 30 s (nbgrader's default) is too short on
+# a 2-core machine, and a runaway cell must still be stopped.
+c.Execute.timeout = 180
+c.Execute.interrupt_on_timeout = True
+
+# The student's stub: the answer cell is replaced by this text in the release.
+c.ClearSolutions.code_stub = {
+    "python": "# YOUR CODE HERE: write your fix in this cell (start from a copy of the code above)\n"
+              "raise NotImplementedError()",
+}
+
+# Any stderr output scores a test cell 0.  Library warnings are not the student's
+# fault: drop stderr text that is only Python warnings (the checks themselves raise
+# AssertionError for real failures).
+c.IgnorePattern.pattern = r"^(\S+:\d+: \w*Warning: .*\n?(  .*\n?)*)+$"
+
+c.ExecutePreprocessor.kernel_name = "python3"

@@ -1,0 +1,57 @@
+"""The `gclab` command: release, grade and bench the course."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _size(text: str) -> int:
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
+    text = text.strip().lower().rstrip("ib").rstrip("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gclab", description=__doc__)
+    parser.add_argument("--course", type=Path, help="the course folder (default: found from the notebooks or here)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("release", help="regenerate notebooks/ from solutions/ with nbgrader")
+
+    g = sub.add_parser("grade", help="grade submitted notebooks with nbgrader's autograder")
+    g.add_argument("notebooks", nargs="+", type=Path)
+    g.add_argument("--json", action="store_true", help="print the results as JSON")
+    g.add_argument("--timeout", type=int, default=900, help="seconds allowed per notebook (default 900)")
+    g.add_argument("--cell-timeout", type=int, help="seconds allowed per cell (default: autograder/nbgrader_config.py)")
+    g.add_argument("--memory-limit", type=_size,
+                   help="address-space limit for the grading kernel, e.g. 8G (CPU-only machines; "
+                        "a CUDA kernel needs far more address space than memory)")
+
+    b = sub.add_parser("bench", help="time the lessons, their grading and the meter's overhead")
+    b.add_argument("lessons", nargs="*", help="lesson folders to bench (default: all)")
+
+    args = parser.parse_args(argv)
+    from . import grading
+
+    if args.command == "release":
+        root = args.course or grading.find_course_root()
+        for path in grading.release(root):
+            print(f"released {path.relative_to(root)}")
+        return 0
+    if args.command == "grade":
+        missing = [str(p) for p in args.notebooks if not p.is_file()]
+        if missing:
+            parser.error("no such notebook: " + ", ".join(missing))
+        results = grading.grade(args.notebooks, root=args.course, timeout=args.timeout,
+                                memory_limit=args.memory_limit, cell_timeout=args.cell_timeout)
+        print(grading.results_json(results) if args.json else grading.format_results(results))
+        return 0
+    from . import bench
+    return bench.main(args.course or grading.find_course_root(), args.lessons)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

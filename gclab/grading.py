@@ -1,0 +1,345 @@
+"""Release and grade the course's notebooks with nbgrader.
+
+`release` regenerates the student notebooks from the nbgrader source (`solutions/`);
+`grade` scores submitted notebooks with nbgrader's autograder (a fresh kernel per
+notebook, hidden tests restored) and always returns a score and a reason per test,
+also when a submission loops forever, kills its kernel, edits locked cells or patches
+the grader's tools.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+
+CONFIG = Path("autograder") / "nbgrader_config.py"
+
+
+# -- the course and its lessons -----------------------------------------------------
+def find_course_root(*starts) -> Path:
+    """The nearest folder, from each start upwards, that holds autograder/nbgrader_config.py and solutions/."""
+    for start in [*starts, Path.cwd()]:
+        path = Path(start).resolve()
+        for folder in [path, *path.parents]:
+            if (folder / CONFIG).is_file() and (folder / "solutions").is_dir():
+                return folder
+    raise SystemExit("cannot find the course: no folder with autograder/nbgrader_config.py and "
+                     "solutions/ above the given notebooks or the current folder (use --course DIR)")
+
+
+def lessons(root: Path) -> list[str]:
+    """Assignment names: the folders of solutions/ that hold a notebook, in order."""
+    return sorted(p.name for p in (root / "solutions").iterdir()
+                  if p.is_dir() and any(p.glob("*.ipynb")))
+
+
+def _nbgrader(args, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedProcess:
+    """Run an nbgrader command; on timeout kill it and its kernel, then raise TimeoutExpired."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "nbgrader", *args]
+    # a session of its own, so that a timeout can stop nbgrader and the kernel it started
+    with subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, preexec_fn=preexec_fn, start_new_session=True) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
+    """A throw-away nbgrader course in `workdir` with the given lessons' sources."""
+    (workdir / "autograder").mkdir(parents=True, exist_ok=True)
+    shutil.copy(root / CONFIG, workdir / CONFIG)
+    for name in assignments:
+        shutil.copytree(root / "solutions" / name, workdir / "solutions" / name,
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+    return workdir
+
+
+def build_release(root: Path, out: Path, assignments=None) -> Path:
+    """Generate the student release of `assignments` (default: every lesson) into `out`."""
+    assignments = assignments or lessons(root)
+    with tempfile.TemporaryDirectory(prefix="gclab-release-") as tmp:
+        course = _scratch_course(root, assignments, Path(tmp))
+        for name in assignments:
+            done = _nbgrader(["generate_assignment", name, "--force"], cwd=course / "autograder")
+            if done.returncode != 0:
+                raise RuntimeError(f"nbgrader generate_assignment {name} failed:\n{done.stdout}{done.stderr}")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in assignments:
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.copytree(course / "notebooks" / name, out / name)
+    return out
+
+
+def release(root: Path) -> list[Path]:
+    """Regenerate notebooks/ from solutions/ (stale lesson folders are removed)."""
+    target = root / "notebooks"
+    for stale in target.glob("*/"):
+        if stale.name not in lessons(root):
+            shutil.rmtree(stale)
+    build_release(root, target)
+    return sorted(target.glob("*/*.ipynb"))
+
+
+# -- a submission's tampering with the grader ---------------------------------------
+_GUARDED = {"gc", "gclab", "torch", "sys", "builtins", "time", "weakref", "nbgrader", "importlib"}
+_MUTATORS = {"append", "clear", "remove", "pop", "extend", "insert", "__setitem__", "__delitem__"}
+
+
+def _root_name(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _guarded_aliases(tree) -> set[str]:
+    names = set(_GUARDED)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names
+                      if a.name.split(".")[0] in _GUARDED}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _GUARDED:
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def tampering(source: str) -> list[str]:
+    """Lines of `source` that replace or mutate the tools the grader relies on.
+
+    Assigning to an attribute of gc, torch, gclab, sys, builtins, time, weakref (or of
+    anything imported from them), setattr/delattr on them, and mutating gc.callbacks
+    are flagged. Calling them is fine.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []           # a syntax error scores itself
+    guarded = _guarded_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, (ast.Attribute, ast.Subscript)) and _root_name(target) in guarded:
+                found.append(ast.unparse(node).splitlines()[0])
+        if isinstance(node, ast.Call):
+            func = node.func
+            if (isinstance(func, ast.Name) and func.id in ("setattr", "delattr")
+                    and node.args and _root_name(node.args[0]) in guarded):
+                found.append(ast.unparse(node))
+            elif (isinstance(func, ast.Attribute) and func.attr in _MUTATORS
+                  and isinstance(func.value, ast.Attribute) and func.value.attr == "callbacks"
+                  and _root_name(func.value) in guarded):
+                found.append(ast.unparse(node))
+    return found
+
+
+def _student_sources(nb) -> list[str]:
+    """Code the student wrote or could edit: answer cells and cells nbgrader does not know."""
+    return [cell.source for cell in nb.cells if cell.cell_type == "code"
+            and (cell.metadata.get("nbgrader", {}).get("solution")
+                 or not cell.metadata.get("nbgrader", {}).get("locked"))]
+
+
+# -- results -------------------------------------------------------------------------
+@dataclass
+class TestResult:
+    id: str
+    score: float
+    max_score: float
+    status: str           # passed, failed, error, timeout
+    message: str = ""
+
+
+@dataclass
+class NotebookResult:
+    notebook: str
+    score: float = 0.0
+    max_score: float = 0.0
+    tests: list[TestResult] = field(default_factory=list)
+    assignment: str = ""
+    reason: str = ""      # why the whole notebook scored what it did, when not the tests' own doing
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _grade_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"
+            and c.metadata.get("nbgrader", {}).get("grade")
+            and not c.metadata.get("nbgrader", {}).get("solution")]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _error_message(output) -> str:
+    text = f"{output.get('ename', 'Error')}: {output.get('evalue', '')}".strip()
+    return _ANSI.sub("", text).rstrip(": ")
+
+
+def _judge_cell(cell) -> TestResult:
+    from nbgrader.utils import determine_grade
+    score, max_score = determine_grade(cell)
+    grade_id = cell.metadata["nbgrader"]["grade_id"]
+    errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+    stderr = [o for o in cell.get("outputs", []) if o.output_type == "stream" and o.name == "stderr"]
+    if not errors and not stderr:
+        return TestResult(grade_id, score or 0.0, max_score, "passed" if score == max_score else "failed")
+    if any(e.ename in ("CellTimeoutError", "KeyboardInterrupt") for e in errors):
+        return TestResult(grade_id, 0.0, max_score, "timeout",
+                          "the cell ran past the time limit and was interrupted")
+    if errors:
+        error = errors[-1]
+        status = "failed" if error.ename == "AssertionError" else "error"
+        return TestResult(grade_id, 0.0, max_score, status, _error_message(error))
+    text = _ANSI.sub("", "".join(o.text for o in stderr)).strip()
+    return TestResult(grade_id, 0.0, max_score, "failed", f"the cell wrote to stderr: {text[:300]}")
+
+
+def _score(result: NotebookResult) -> NotebookResult:
+    result.score = sum(t.score for t in result.tests)
+    result.max_score = sum(t.max_score for t in result.tests)
+    return result
+
+
+def _all_tests(release_nb, status, message) -> list[TestResult]:
+    return [TestResult(c.metadata["nbgrader"]["grade_id"], 0.0,
+                       float(c.metadata["nbgrader"].get("points", 0)), status, message)
+            for c in _grade_cells(release_nb)]
+
+
+# -- grading -------------------------------------------------------------------------
+def assignment_of(path: Path, root: Path) -> tuple[str, str]:
+    """(assignment, notebook name) of a submission: by file name, else by its grade cells."""
+    sources = {nb.stem: nb.parent.name for nb in (root / "solutions").glob("*/*.ipynb")}
+    for stem, assignment in sources.items():
+        if path.stem == stem or path.stem.endswith("_" + stem) or path.stem.endswith("-" + stem):
+            return assignment, stem
+    try:
+        ids = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nbformat.read(path, 4).cells} - {None}
+    except Exception:
+        ids = set()
+    for nb_path in (root / "solutions").glob("*/*.ipynb"):
+        source_ids = {c.metadata.get("nbgrader", {}).get("grade_id")
+                      for c in nbformat.read(nb_path, 4).cells} - {None}
+        if ids and ids <= source_ids:
+            return nb_path.parent.name, nb_path.stem
+    raise SystemExit(f"{path}: not a notebook of this course (no lesson named {path.stem!r} "
+                     "and its cells match no lesson)")
+
+
+def _memory_limit(nbytes):
+    def apply():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+    return apply if nbytes else None
+
+
+def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None = None,
+          cell_timeout: int | None = None) -> list[NotebookResult]:
+    """Grade each submitted notebook; see the module docstring."""
+    paths = [Path(p) for p in paths]
+    root = root or find_course_root(*[p.parent for p in paths])
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gclab-grade-") as tmp:
+        groups: dict[str, list] = {}
+        for index, path in enumerate(paths):
+            assignment, stem = assignment_of(path, root)
+            result = NotebookResult(notebook=str(path), assignment=assignment)
+            results.append(result)
+            groups.setdefault(assignment, []).append((f"s{index:03d}", path, stem, result))
+        for assignment, entries in groups.items():
+            _grade_assignment(root, Path(tmp) / assignment, assignment, entries, timeout,
+                              memory_limit, cell_timeout)
+    return [_score(r) for r in results]
+
+
+def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, cell_timeout):
+    _scratch_course(root, [assignment], course)
+    extra = [f"--Execute.timeout={cell_timeout}"] if cell_timeout else []
+    done = _nbgrader(["generate_assignment", assignment, "--force"], cwd=course / "autograder")
+    if done.returncode != 0:
+        raise RuntimeError(f"nbgrader generate_assignment failed:\n{done.stdout}{done.stderr}")
+    for student, path, stem, result in entries:
+        release_nb = nbformat.read(course / "notebooks" / assignment / f"{stem}.ipynb", 4)
+        try:
+            submitted = nbformat.read(path, 4)
+        except Exception as exc:
+            result.tests = _all_tests(release_nb, "error", f"not graded: the file is not a readable notebook ({exc})")
+            result.reason = "unreadable notebook"
+            continue
+        patched = [line for src in _student_sources(submitted) for line in tampering(src)]
+        if patched:
+            result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
+            result.tests = _all_tests(release_nb, "error", "not graded: " + result.reason)
+            continue
+        folder = course / "submitted" / student / assignment
+        folder.mkdir(parents=True)
+        shutil.copy(path, folder / f"{stem}.ipynb")
+        _autograde_one(course, assignment, student, stem, release_nb, result, timeout, memory_limit, extra)
+
+
+def _autograde_one(course, assignment, student, stem, release_nb, result, timeout, memory_limit, extra):
+    args = ["autograde", assignment, "--student", student, "--force", "--create", *extra]
+    try:
+        done = _nbgrader(args, cwd=course / "autograder", timeout=timeout,
+                         preexec_fn=_memory_limit(memory_limit))
+        log = done.stdout + done.stderr
+    except subprocess.TimeoutExpired:
+        result.reason = f"grading took longer than {timeout} s and was stopped"
+        result.tests = _all_tests(release_nb, "timeout", result.reason)
+        return
+    graded = course / "autograded" / student / assignment / f"{stem}.ipynb"
+    if not graded.exists():
+        died = "Kernel died" in log or "DeadKernelError" in log or "kernel died" in log.lower()
+        result.reason = ("the kernel died while running the notebook (it crashed, was killed, or ran "
+                         "out of memory)" if died else "nbgrader could not grade the notebook: "
+                         + _last_error_line(log))
+        result.tests = _all_tests(release_nb, "error", result.reason)
+        return
+    result.tests = [_judge_cell(c) for c in _grade_cells(nbformat.read(graded, 4))]
+
+
+def _last_error_line(log: str) -> str:
+    lines = [line for line in log.splitlines() if "ERROR" in line or "Error" in line]
+    return (lines[-1] if lines else log.strip().splitlines()[-1] if log.strip() else "no output").strip()[:300]
+
+
+def format_results(results) -> str:
+    out = []
+    for r in results:
+        out.append(f"{r.notebook} [{r.assignment}]: {r.score:g} / {r.max_score:g}")
+        if r.reason:
+            out.append(f"  reason: {r.reason}")
+        for t in r.tests:
+            line = f"  {t.status:<8} {t.id:<32} {t.score:g}/{t.max_score:g}"
+            out.append(line + (f"  {t.message}" if t.message and t.status != "passed" else ""))
+    total = sum(r.score for r in results), sum(r.max_score for r in results)
+    out.append(f"total: {total[0]:g} / {total[1]:g}")
+    return "\n".join(out)
+
+
+def results_json(results) -> str:
+    return json.dumps([r.as_dict() for r in results], indent=2)
