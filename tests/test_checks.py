@@ -1,0 +1,297 @@
+"""Tests for gclab.checks: the flat-memory check, result comparison, and the integrity check."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from gclab import checks
+from gclab.checks import (FlatReport, assert_flat, assert_matches, assert_untampered, compare,
+                          integrity_problems, run_flat_check)
+from gclab.memory import format_bytes
+
+
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.other = None
+
+
+@pytest.fixture(autouse=True)
+def restore_gc_state():
+    was_enabled = gc.isenabled()
+    yield
+    if was_enabled:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+@pytest.fixture
+def collect_after():
+    yield
+    gc.collect()                  # the cycles a leaking step left behind go now, not later
+
+
+def leaking_step(i):
+    a, b = Node(torch.zeros(256)), Node(torch.zeros(256))     # 2 x 1 KiB
+    a.other, b.other = b, a
+    return float(a.tensor.sum())
+
+
+def fixed_step(i):
+    a, b = Node(torch.zeros(256)), Node(torch.zeros(256))
+    a.other, b.other = b, a
+    b.other = None                # the cycle is broken: reference counting frees both
+    return float(a.tensor.sum())
+
+
+# -- run_flat_check -------------------------------------------------------------------
+def test_leaking_step_is_not_ok_and_says_how_many_bytes_per_iteration(collect_after):
+    report = run_flat_check(leaking_step, iterations=5)
+    assert not report.ok
+    assert report.growth == [2048 * i for i in range(1, 6)]
+    assert report.leaked == 5 * 2048
+    assert report.collections == []
+    assert report.error is None
+    text = report.explain()
+    assert "per iteration" in text
+    assert f"about {format_bytes(2048)} per iteration" in text
+    assert "after iteration 1" in text
+    with pytest.raises(AssertionError, match="per iteration"):
+        assert_flat(report)
+
+
+def test_fixed_step_is_ok():
+    report = run_flat_check(fixed_step, iterations=10)
+    assert report.ok, report.explain()
+    assert report.growth == [0] * 10
+    assert report.leaked == 0
+    assert report.results == [0.0] * 10
+    assert "baseline" in report.explain()
+    assert_flat(report)
+
+
+def test_report_names_the_device_and_iterations():
+    report = run_flat_check(fixed_step, iterations=3, device="cpu")
+    assert isinstance(report, FlatReport)
+    assert report.device == torch.device("cpu")
+    assert report.iterations == 3
+    assert "3 iterations" in report.explain()
+
+
+def test_step_that_calls_the_collector_is_not_ok_and_the_report_mentions_the_collector():
+    def step(i):
+        leaking_step(i)
+        gc.collect()              # frees the cycle, so memory is flat, but only thanks to gc
+
+    report = run_flat_check(step, iterations=3)
+    assert report.growth == [0] * 3
+    assert not report.ok
+    assert len(report.collections) == 3
+    assert {c.generation for c in report.collections} == {2}
+    text = report.explain()
+    assert "collector" in text and "gc.collect()" in text
+    assert "3 time(s)" in text
+
+
+def test_step_that_reenables_gc_is_reported():
+    def step(i):
+        gc.enable()
+        return i
+
+    report = run_flat_check(step, iterations=3)
+    assert report.reenabled_gc
+    assert not report.ok
+    assert "gc.enable()" in report.explain()
+
+
+def test_step_runs_with_the_collector_off():
+    seen = []
+    run_flat_check(lambda i: seen.append(gc.isenabled()), iterations=3, warmup=2)
+    assert seen == [False] * 5
+
+
+def test_step_that_raises_is_reported_not_raised():
+    def step(i):
+        if i == 3:
+            raise ValueError("boom at 3")
+        return i
+
+    report = run_flat_check(step, iterations=10)
+    assert isinstance(report.error, ValueError)
+    assert report.error.__traceback__ is None          # its frames would keep tensors alive
+    assert report.growth == [0, 0, 0]
+    assert report.results == [0, 1, 2]
+    assert not report.ok
+    text = report.explain()
+    assert "ValueError" in text and "boom at 3" in text
+    assert "after 3 of 10 iterations" in text
+
+
+def test_out_of_memory_in_the_step_is_reported():
+    def step(i):
+        raise torch.OutOfMemoryError("simulated")
+
+    report = run_flat_check(step, iterations=2)
+    assert isinstance(report.error, torch.OutOfMemoryError)
+    assert not report.ok
+
+
+def test_step_returning_a_tensor_keeps_no_tensor_alive():
+    def step(i):
+        return torch.full((2, 3), float(i)), (torch.tensor(i), "label")
+
+    report = run_flat_check(step, iterations=4)
+    assert report.ok, report.explain()
+    assert report.results[2] == ([[2.0] * 3] * 2, (2, "label"))
+
+    def tensors_in(value):
+        if isinstance(value, torch.Tensor):
+            return 1
+        if isinstance(value, (list, tuple)):
+            return sum(tensors_in(v) for v in value)
+        return 0
+
+    assert tensors_in(report.results) == 0
+
+
+def test_warmup_iterations_are_excluded_from_the_baseline():
+    def make_step():
+        cache = {}
+
+        def step(i):
+            cache.setdefault("weights", torch.zeros(100))     # allocated once, on first call
+            return (cache["weights"] + i).sum()
+        return step
+
+    calls = []
+    unwarmed = run_flat_check(make_step(), iterations=3)
+    assert unwarmed.growth == [400, 400, 400]
+    assert not unwarmed.ok
+
+    step = make_step()
+    warmed = run_flat_check(lambda i: calls.append(i) or step(i), iterations=3, warmup=1)
+    assert warmed.ok, warmed.explain()
+    assert calls == [0, 1, 2, 3]
+    assert warmed.results == [100.0, 200.0, 300.0]
+    assert len(warmed.growth) == 3
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gc_state_is_restored_after_the_check(enabled, collect_after):
+    def reenable(i):
+        gc.enable()
+
+    for step in (fixed_step, leaking_step, reenable):
+        if enabled:
+            gc.enable()
+        else:
+            gc.disable()
+        run_flat_check(step, iterations=2)
+        assert gc.isenabled() is enabled
+
+
+def test_collector_state_is_restored_when_the_warmup_raises():
+    gc.enable()
+
+    def step(i):
+        raise RuntimeError("warm-up failure")
+
+    try:
+        run_flat_check(step, iterations=2, warmup=1)
+    except RuntimeError:
+        pass                      # a warm-up error may propagate; the collector's state must not leak
+    assert gc.isenabled()
+
+
+# -- compare / assert_matches ------------------------------------------------------------
+def test_compare_matching_values():
+    result = compare("loss", [1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert result.ok
+    assert result.name == "loss"
+    assert str(result) == result.text == "loss: all 3 values match the reference"
+
+
+def test_compare_accepts_tensors_and_nested_lists():
+    assert compare("t", torch.tensor([[1.0, 2.0], [3.0, 4.0]]), [[1, 2], [3, 4]]).ok
+    assert compare("t", (torch.tensor(1.5), [2, 3]), [1.5, 2, 3]).ok
+
+
+def test_compare_within_tolerance_matches():
+    assert compare("x", [1.0 + 1e-9], [1.0]).ok
+    assert not compare("x", [1.001], [1.0]).ok
+    assert compare("x", [1.001], [1.0], rel_tol=1e-2).ok
+
+
+def test_compare_mismatch_says_where_what_and_by_how_much():
+    result = compare("grad", [1.0, 2.0, 3.5, 9.0], [1.0, 2.0, 3.0, 4.0])
+    assert not result.ok
+    assert "position 2" in result.text
+    assert "got 3.5" in result.text
+    assert "expected 3.0" in result.text
+    assert "off by 0.5" in result.text
+    assert "2 of 4 values differ" in result.text
+
+
+def test_compare_mismatch_of_non_numbers_has_no_difference():
+    result = compare("labels", ["a", "b"], ["a", "c"])
+    assert not result.ok
+    assert "position 1" in result.text and "got 'b'" in result.text and "expected 'c'" in result.text
+    assert "off by" not in result.text
+
+
+def test_compare_length_mismatch():
+    result = compare("out", [1, 2], [1, 2, 3])
+    assert not result.ok
+    assert result.text == "out: expected 3 values, got 2"
+
+
+def test_assert_matches_passes_silently_on_a_match():
+    assert_matches("x", torch.arange(3), [0, 1, 2])
+
+
+def test_assert_matches_raises_with_the_comparison_text():
+    with pytest.raises(AssertionError) as info:
+        assert_matches("x", [1.0, 5.0], [1.0, 2.0])
+    message = str(info.value)
+    assert "position 1" in message and "got 5.0" in message and "expected 2.0" in message
+    assert "off by 3" in message
+
+
+def test_assert_matches_passes_tolerances_on():
+    assert_matches("x", [1.001], [1.0], rel_tol=1e-2)
+    with pytest.raises(AssertionError):
+        assert_matches("x", [1.001], [1.0])
+
+
+# -- integrity ------------------------------------------------------------------------
+def test_integrity_problems_is_empty_normally():
+    assert integrity_problems() == []
+    assert_untampered()
+
+
+def test_integrity_problems_names_a_replaced_gc_collect(monkeypatch):
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
+    assert integrity_problems() == ["gc.collect"]
+    with pytest.raises(AssertionError, match="gc.collect"):
+        assert_untampered()
+
+
+def test_integrity_problems_names_a_replaced_callbacks_list(monkeypatch):
+    monkeypatch.setattr(gc, "callbacks", [])
+    assert integrity_problems() == ["gc.callbacks"]
+
+
+def test_integrity_problems_names_a_replaced_checks_function(monkeypatch):
+    monkeypatch.setattr(checks, "compare", lambda *args, **kwargs: None)
+    assert integrity_problems() == ["gclab.checks.compare"]
+    monkeypatch.setattr(checks, "run_flat_check", lambda *args, **kwargs: None)
+    assert set(integrity_problems()) == {"gclab.checks.compare", "gclab.checks.run_flat_check"}
+
+
+def test_integrity_problems_names_several_replacements(monkeypatch):
+    monkeypatch.setattr(gc, "disable", lambda: None)
+    monkeypatch.setattr(torch, "OutOfMemoryError", RuntimeError)
+    assert set(integrity_problems()) == {"gc.disable", "torch.OutOfMemoryError"}

@@ -1,0 +1,204 @@
+"""Tests for gclab.gcwatch: collections seen through gc.callbacks, and gc_disabled."""
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+
+from gclab.gcwatch import Collection, GCWatch, gc_disabled
+
+
+class Node:
+    def __init__(self):
+        self.other = None
+
+
+def make_cycles(n: int) -> None:
+    """Create `n` unreachable two-object cycles."""
+    for _ in range(n):
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+
+
+@pytest.fixture(autouse=True)
+def restore_gc_state():
+    was_enabled = gc.isenabled()
+    yield
+    if was_enabled:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_explicit_collections_are_recorded_with_their_generation():
+    with gc_disabled():
+        with GCWatch() as watch:
+            gc.collect(0)
+            gc.collect(1)
+            gc.collect(2)
+            gc.collect()
+    assert [c.generation for c in watch.collections] == [0, 1, 2, 2]
+    assert all(c.duration > 0 for c in watch.collections)
+    assert all(c.start >= watch.started for c in watch.collections)
+    starts = [c.start for c in watch.collections]
+    assert starts == sorted(starts)
+
+
+def test_collection_times_come_from_the_given_clock():
+    ticks = itertools.count(10)                       # 10, 11, 12, ...
+    with gc_disabled():
+        with GCWatch(clock=lambda: next(ticks)) as watch:
+            gc.collect(0)
+            gc.collect(1)
+    assert watch.started == 10
+    assert watch.collections[0].start == 11 and watch.collections[0].duration == 1
+    assert watch.collections[1].start == 13 and watch.collections[1].duration == 1
+
+
+def test_collected_counts_the_unreachable_cyclic_objects():
+    with gc_disabled():
+        make_cycles(100)          # with gc off, they all stay in the youngest generation
+        with GCWatch() as watch:
+            found = gc.collect(0)
+    (collection,) = watch.collections
+    assert collection.collected >= 200
+    assert collection.collected == found
+    assert collection.uncollectable == 0
+
+
+def test_a_collection_with_nothing_to_free_collects_nothing():
+    with gc_disabled():
+        gc.collect(0)
+        with GCWatch() as watch:
+            gc.collect(0)
+    assert watch.collections[0].collected == 0
+
+
+def test_automatic_collections_are_recorded_when_gc_is_enabled():
+    gc.enable()
+    with GCWatch() as watch:
+        make_cycles(5000)                             # 10000 tracked objects: many gen-0 runs
+    assert watch.count() >= 5
+    assert watch.count(0) >= 1
+    assert {c.generation for c in watch.collections} <= {0, 1, 2}
+    assert sum(c.collected for c in watch.collections) > 0
+
+
+def test_no_automatic_collection_is_recorded_while_gc_is_disabled():
+    with gc_disabled():
+        with GCWatch() as watch:
+            make_cycles(5000)
+    assert watch.collections == []
+
+
+def test_nothing_is_recorded_after_exit():
+    with gc_disabled():
+        with GCWatch() as watch:
+            gc.collect(0)
+        assert watch._on_gc not in gc.callbacks
+        gc.collect(0)
+        gc.collect(1)
+    assert len(watch.collections) == 1
+
+
+def test_callback_is_removed_when_the_block_raises():
+    callbacks_before = list(gc.callbacks)
+    with pytest.raises(ZeroDivisionError):
+        with GCWatch():
+            1 / 0
+    assert gc.callbacks == callbacks_before
+
+
+def test_nested_watches_both_record():
+    with gc_disabled():
+        with GCWatch() as outer:
+            gc.collect(0)
+            with GCWatch() as inner:
+                gc.collect(1)
+    assert [c.generation for c in outer.collections] == [0, 1]
+    assert [c.generation for c in inner.collections] == [1]
+
+
+def _watch_with(*collections):
+    watch = GCWatch()
+    watch.collections.extend(collections)
+    return watch
+
+
+def test_count_by_generation():
+    watch = _watch_with(Collection(0, 0.0, 0.001, 1, 0), Collection(0, 1.0, 0.001, 1, 0),
+                        Collection(2, 2.0, 0.002, 1, 0))
+    assert watch.count() == 3
+    assert watch.count(0) == 2
+    assert watch.count(1) == 0
+    assert watch.count(2) == 1
+
+
+def test_total_and_longest_pause():
+    watch = _watch_with(Collection(0, 0.0, 0.001, 5, 0), Collection(1, 1.0, 0.004, 0, 0),
+                        Collection(0, 2.0, 0.002, 7, 0))
+    assert watch.total_pause() == pytest.approx(0.007)
+    assert watch.longest_pause() == 0.004
+
+
+def test_pauses_of_an_empty_watch_are_zero():
+    watch = GCWatch()
+    assert watch.count() == 0
+    assert watch.total_pause() == 0
+    assert watch.longest_pause() == 0.0
+
+
+def test_summary_gives_counts_by_generation_pauses_and_objects_freed():
+    watch = _watch_with(Collection(0, 0.0, 0.001, 5, 0), Collection(2, 1.0, 0.002, 0, 0),
+                        Collection(0, 2.0, 0.001, 7, 0))
+    assert watch.summary() == ("3 collections (gen 0: 2, gen 2: 1); 4.0 ms in total, "
+                               "longest 2.00 ms; 12 objects freed")
+    assert GCWatch().summary() == "no collections"
+
+
+def test_summary_of_real_collections_mentions_them():
+    with gc_disabled():
+        make_cycles(10)
+        with GCWatch() as watch:
+            gc.collect(0)
+    assert watch.summary().startswith("1 collections (gen 0: 1)")
+    assert "objects freed" in watch.summary()
+
+
+@pytest.mark.parametrize("start, end, expected", [
+    (0.0, 1.2, True),      # the window ends during the collection
+    (1.2, 1.3, True),      # the window lies inside the collection
+    (1.4, 3.0, True),      # the window starts during the collection
+    (0.0, 3.0, True),      # the window contains the collection
+    (0.0, 1.0, False),     # ends the instant it starts
+    (1.5, 2.0, False),     # starts the instant it ends
+    (0.0, 0.5, False),     # entirely before
+    (1.6, 2.0, False),     # entirely after
+])
+def test_collection_overlaps_a_time_window(start, end, expected):
+    collection = Collection(generation=0, start=1.0, duration=0.5, collected=0, uncollectable=0)
+    assert collection.overlaps(start, end) is expected
+
+
+def test_gc_disabled_turns_gc_off_and_restores_it_on():
+    gc.enable()
+    with gc_disabled():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_gc_disabled_leaves_gc_off_when_it_was_off():
+    gc.disable()
+    with gc_disabled():
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_gc_disabled_restores_the_state_when_the_block_raises():
+    gc.enable()
+    with pytest.raises(KeyError):
+        with gc_disabled():
+            raise KeyError("x")
+    assert gc.isenabled()
+

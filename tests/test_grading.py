@@ -1,0 +1,115 @@
+"""`gclab grade` on hostile or broken submissions, with a tiny course of its own."""
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gclab import grading
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cell(source, grade_id=None, points=None, solution=False):
+    cell = nbformat.v4.new_code_cell(source)
+    if grade_id:
+        cell.metadata["nbgrader"] = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
+                                     "schema_version": 3, "solution": solution, **({"points": points} if points else {})}
+    return cell
+
+
+def _lesson(answer):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        _cell("import gc\nfrom gclab import checks", "setup"),
+        _cell(answer, "answer", solution=True),
+        _cell("assert double(2) == 4\n### BEGIN HIDDEN TESTS\nassert double(5) == 10\n### END HIDDEN TESTS",
+              "test_double", points=1),
+        _cell("checks.assert_untampered()\nassert double(0) == 0", "test_zero", points=1),
+    ]
+    return nb
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    (root / "autograder").mkdir()
+    shutil.copy(ROOT / "autograder" / "nbgrader_config.py", root / "autograder")
+    (root / "solutions" / "toy").mkdir(parents=True)
+    nbformat.write(_lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION"),
+                   root / "solutions" / "toy" / "toy.ipynb")
+    return root
+
+
+def _submit(course, tmp_path, name, answer):
+    path = tmp_path / f"{name}-toy.ipynb"
+    nbformat.write(_lesson(answer), path)
+    return path
+
+
+def test_hostile_submissions_get_a_score_and_a_reason(course, tmp_path):
+    subs = {
+        "right": "def double(x):\n    return 2 * x",
+        "loops_forever": "def double(x):\n    return 2 * x\nwhile True:\n    pass",
+        "kills_its_kernel": "import os\nos._exit(1)",
+        "wrong": "def double(x):\n    return x + 2",
+    }
+    paths = [_submit(course, tmp_path, name, src) for name, src in subs.items()]
+    results = dict(zip(subs, grading.grade(paths, root=course, cell_timeout=10)))
+    assert results["right"].score == 2
+    # the runaway cell is interrupted; the tests after it still run (double was defined first)
+    assert results["loops_forever"].max_score == 2
+    assert results["loops_forever"].score == 2
+    killed = results["kills_its_kernel"]
+    assert killed.score == 0 and "kernel died" in killed.reason
+    assert all(t.status == "error" for t in killed.tests)
+    wrong = results["wrong"]
+    assert wrong.score == 0 and wrong.tests[0].status == "failed"
+
+
+def test_a_notebook_that_times_out_as_a_whole_is_stopped(course, tmp_path):
+    path = _submit(course, tmp_path, "slow", "import time\ntime.sleep(600)")
+    [result] = grading.grade([path], root=course, timeout=20)
+    assert result.score == 0
+    assert all(t.status == "timeout" for t in result.tests)
+    assert "longer than 20 s" in result.reason
+
+
+def test_unreadable_file_is_reported_not_crashed(course, tmp_path):
+    path = tmp_path / "broken-toy.ipynb"
+    path.write_text("{ not json")
+    [result] = grading.grade([path], root=course)
+    assert result.score == 0 and "not a readable notebook" in result.tests[0].message
+
+
+@pytest.mark.parametrize("source", [
+    "gc.collect = lambda *a: 0",
+    "import gclab.checks as c\nc.assert_flat = print",
+    "from gclab import checks\nchecks.run_flat_check = None",
+    "setattr(gc, 'isenabled', lambda: False)",
+    "gc.callbacks.clear()",
+    "import torch\ntorch.cuda.memory_allocated = lambda *a: 0",
+    "del gc.callbacks[:]",
+])
+def test_tampering_is_detected(source):
+    assert grading.tampering(source)
+
+
+@pytest.mark.parametrize("source", [
+    "gc.collect()\nx = gc.get_count()",
+    "import weakref\nself_ref = weakref.ref(obj)",
+    "node.prev = weakref.ref(head)",
+    "torch.zeros(3).add_(1)",
+    "def f(:\n",
+])
+def test_ordinary_code_is_not_flagged(source):
+    assert grading.tampering(source) == []
+
+
+def test_submission_is_matched_to_its_lesson(course, tmp_path):
+    path = _submit(course, tmp_path, "alice", "")
+    assert grading.assignment_of(path, course) == ("toy", "toy")
+    renamed = tmp_path / "homework.ipynb"
+    shutil.copy(path, renamed)
+    assert grading.assignment_of(renamed, course) == ("toy", "toy")

@@ -1,0 +1,143 @@
+"""Lesson 03 end to end: the solution runs clean, and grading accepts only a real fix."""
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from gclab import grading
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTION = ROOT / "solutions" / "03_node_leak" / "03_node_leak.ipynb"
+RELEASE = ROOT / "notebooks" / "03_node_leak" / "03_node_leak.ipynb"
+
+LEAKY = '''
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.next = None
+        self.prev = None
+
+def make_pair(i, device=DEVICE):
+    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
+    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
+    head.next = tail
+    tail.prev = head
+    {extra}
+    return head
+'''
+
+WEAK_BOTH_WAYS = '''
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self._next = self._prev = None
+    next = property(lambda self: self._next and self._next(),
+                    lambda self, n: setattr(self, "_next", n and weakref.ref(n)))
+    prev = property(lambda self: self._prev and self._prev(),
+                    lambda self, n: setattr(self, "_prev", n and weakref.ref(n)))
+
+def make_pair(i, device=DEVICE):
+    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
+    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
+    head.next = tail
+    tail.prev = head
+    return head
+'''
+
+# Plausible wrong fixes (and hostile submissions): none may earn full marks.
+WRONG = {
+    "collect_in_step": LEAKY.format(extra="gc.collect()"),
+    "del_and_empty_cache": LEAKY.format(extra="del tail\n    if torch.cuda.is_available(): torch.cuda.empty_cache()"),
+    "raised_thresholds": "gc.set_threshold(100_000, 50, 50)\n" + LEAKY.format(extra=""),
+    "weak_links_both_ways": WEAK_BOTH_WAYS,
+    "unlinked_back_reference": LEAKY.format(extra="tail.prev = None"),
+    "patches_the_grader": LEAKY.format(extra="") + (
+        "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
+}
+
+
+def _answer_index(nb):
+    return next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("solution"))
+
+
+def _student_variant(source: str) -> nbformat.NotebookNode:
+    """The released notebook with its answer cell filled in and the (unlocked) demo cells deleted,
+    as a student may do; the graded cells are all still there."""
+    nb = nbformat.read(RELEASE, 4)
+    nb.cells[_answer_index(nb)].source = source
+    nb.cells = [c for c in nb.cells if c.cell_type == "markdown" or "nbgrader" in c.metadata]
+    return nb
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = {"solution": SOLUTION, "untouched": RELEASE}
+    for name, source in WRONG.items():
+        paths[name] = folder / f"{name}-03_node_leak.ipynb"
+        nbformat.write(_student_variant(source), paths[name])
+    solution_nb = nbformat.read(SOLUTION, 4)
+    edited = _student_variant(LEAKY.format(extra=""))
+    for cell in edited.cells:   # edit the locked test cells: the grader must restore them
+        if cell.metadata.get("nbgrader", {}).get("grade"):
+            cell.source = "pass"
+    paths["edits_locked_cells"] = folder / "edits_locked_cells-03_node_leak.ipynb"
+    nbformat.write(edited, paths["edits_locked_cells"])
+    names = list(paths)
+    results = grading.grade([paths[n] for n in names], root=ROOT)
+    del solution_nb
+    return dict(zip(names, results))
+
+
+def test_solution_notebook_executes_clean_on_cpu():
+    nb = nbformat.read(SOLUTION, 4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(SOLUTION.parent)}}).execute()
+    problems = [(i, o.get("ename") or o.get("text", "")[:200]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                for o in c.outputs if o.output_type == "error" or (o.output_type == "stream" and o.name == "stderr")]
+    assert not problems, f"errors or stderr output in the solution notebook: {problems}"
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "Out of memory at step" in text, "the lesson's leak should hit the device budget"
+    assert re.search(r"peak 512\.00 KiB, 0 collections", text), "the fixed step should stay flat with no collection"
+
+
+def test_solution_earns_full_marks(graded):
+    result = graded["solution"]
+    assert result.max_score == 6
+    assert result.score == result.max_score, grading.format_results([result])
+
+
+def test_untouched_student_notebook_earns_nothing(graded):
+    result = graded["untouched"]
+    assert result.score == 0 and result.max_score == 6, grading.format_results([result])
+    assert all(t.status in ("failed", "error") and t.message for t in result.tests)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG) + ["edits_locked_cells"])
+def test_wrong_fix_does_not_earn_full_marks(graded, name):
+    result = graded[name]
+    assert result.max_score == 6
+    assert result.score < result.max_score, grading.format_results([result])
+    assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"
+
+
+def test_wrong_fixes_are_told_why(graded):
+    flat = {name: next(t for t in graded[name].tests if t.id == "test_memory_flat") for name in WRONG}
+    assert "collector ran" in flat["collect_in_step"].message
+    assert "did not return to its baseline" in flat["raised_thresholds"].message
+    assert "modifies the grader" in graded["patches_the_grader"].reason
+
+
+def test_edited_locked_cells_are_restored_before_grading(graded):
+    result = graded["edits_locked_cells"]
+    assert result.score == 0, "the original tests must run, not the student's `pass`"
+    assert any("baseline" in t.message for t in result.tests)
+
+
+def test_grade_json_has_the_documented_fields(graded):
+    data = json.loads(grading.results_json([graded["solution"]]))
+    entry = data[0]
+    assert {"notebook", "score", "max_score", "tests"} <= set(entry)
+    assert {"id", "score", "max_score", "status", "message"} <= set(entry["tests"][0])

@@ -1,0 +1,39 @@
+"""notebooks/ is nbgrader's release of solutions/, committed without outputs."""
+import json
+from pathlib import Path
+
+from gclab import grading
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cells(path):
+    nb = json.loads(Path(path).read_text())
+    return [(c["cell_type"], "".join(c["source"]), c.get("metadata", {}).get("nbgrader")) for c in nb["cells"]]
+
+
+def test_release_is_up_to_date_with_solutions(tmp_path):
+    fresh = grading.build_release(ROOT, tmp_path / "release")
+    generated = sorted(p.relative_to(fresh) for p in fresh.glob("*/*.ipynb"))
+    committed = sorted(p.relative_to(ROOT / "notebooks") for p in (ROOT / "notebooks").glob("*/*.ipynb"))
+    assert generated == committed, "notebooks/ does not hold one release per lesson: run `make release`"
+    for rel in generated:
+        assert _cells(fresh / rel) == _cells(ROOT / "notebooks" / rel), f"notebooks/{rel} is stale: run `make release`"
+
+
+def test_every_lesson_is_released():
+    assert grading.lessons(ROOT) == sorted(p.name for p in (ROOT / "notebooks").iterdir() if p.is_dir())
+
+
+def test_notebooks_are_committed_without_outputs():
+    for path in [*ROOT.glob("solutions/*/*.ipynb"), *ROOT.glob("notebooks/*/*.ipynb")]:
+        nb = json.loads(path.read_text())
+        dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+        assert not dirty, f"{path.relative_to(ROOT)} has outputs in cells {dirty}: clear them before committing"
+
+
+def test_release_hides_solutions_and_hidden_tests():
+    for path in ROOT.glob("notebooks/*/*.ipynb"):
+        text = path.read_text()
+        assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+        assert "raise NotImplementedError()" in text
