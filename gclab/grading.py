@@ -110,9 +110,9 @@ def _root_name(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _guarded_aliases(tree) -> set[str]:
+def _guarded_aliases(trees) -> set[str]:
     names = set(_GUARDED)
-    for node in ast.walk(tree):
+    for node in (n for tree in trees for n in ast.walk(tree)):
         if isinstance(node, ast.Import):
             names |= {a.asname or a.name.split(".")[0] for a in node.names
                       if a.name.split(".")[0] in _GUARDED}
@@ -121,18 +121,25 @@ def _guarded_aliases(tree) -> set[str]:
     return names
 
 
-def tampering(source: str) -> list[str]:
+def _parse(source):
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return None
+
+
+def tampering(source: str, context: tuple[str, ...] = ()) -> list[str]:
     """Lines of `source` that replace or mutate the tools the grader relies on.
 
     Assigning to an attribute of gc, torch, gclab, sys, builtins, time, weakref (or of
-    anything imported from them), setattr/delattr on them, and mutating gc.callbacks
-    are flagged. Calling them is fine.
+    anything imported from them, here or in the notebook's other cells given as
+    `context`), setattr/delattr on them, and mutating gc.callbacks are flagged.
+    Calling them is fine.
     """
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
+    tree = _parse(source)
+    if tree is None:
         return []           # a syntax error scores itself
-    guarded = _guarded_aliases(tree)
+    guarded = _guarded_aliases([tree, *filter(None, map(_parse, context))])
     found = []
     for node in ast.walk(tree):
         targets = []
@@ -290,7 +297,8 @@ def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, 
             result.tests = _all_tests(release_nb, "error", f"not graded: the file is not a readable notebook ({exc})")
             result.reason = "unreadable notebook"
             continue
-        patched = [line for src in _student_sources(submitted) for line in tampering(src)]
+        every_cell = tuple(c.source for c in submitted.cells if c.cell_type == "code")
+        patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell)]
         if patched:
             result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
             result.tests = _all_tests(release_nb, "error", "not graded: " + result.reason)

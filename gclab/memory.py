@@ -131,7 +131,7 @@ class _CpuStorageTracker(TorchDispatchMode):
         self._size: dict[int, int] = {}   # storage address -> bytes
         self._counted = 0                 # bytes in _size, some perhaps freed since the last sweep
         self.peak = 0
-        self._aliasing: dict = {}         # op -> does its schema return an alias of an input?
+        self._allocates: dict = {}        # op -> may its result be a new storage (schema has no alias)?
         self._collections = 0             # collections seen so far
         self._collections_at_sweep = 0
 
@@ -169,10 +169,11 @@ class _CpuStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        aliasing = self._aliasing.get(func)
-        if aliasing is None:
-            aliasing = self._aliasing[func] = _returns_alias(func)
-        if aliasing and func._schema.name not in _LIFT_OPS:
+        allocates = self._allocates.get(func)
+        if allocates is None:
+            allocates = self._allocates[func] = (not _returns_alias(func)
+                                                 or func._schema.name in _LIFT_OPS)
+        if not allocates:
             return out
         new = self._new_storages(out)
         if new:

@@ -113,3 +113,8 @@ def test_submission_is_matched_to_its_lesson(course, tmp_path):
     renamed = tmp_path / "homework.ipynb"
     shutil.copy(path, renamed)
     assert grading.assignment_of(renamed, course) == ("toy", "toy")
+
+
+def test_tampering_through_a_name_imported_in_another_cell_is_detected():
+    setup = "from gclab import checks"
+    assert grading.tampering("checks.assert_flat = lambda r: None", context=(setup,))

@@ -1,0 +1,87 @@
+"""`gclab bench`: how long each lesson takes to run and to grade, and what the CPU meter costs.
+
+Targets (checked here, not in timed unit tests, because a shared 2-core machine is noisy):
+a lesson executes in under 60 s, grading costs under its execution time plus 10 s, and
+the meter slows a forward+backward step by less than 2x.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import torch
+from nbclient import NotebookClient
+
+from . import grading
+from .memory import Meter
+
+EXECUTE_TARGET_S = 60.0
+GRADE_MARGIN_S = 10.0
+METER_OVERHEAD_TARGET = 2.0
+
+
+def execute_seconds(path: Path) -> float:
+    nb = nbformat.read(path, 4)
+    start = time.perf_counter()
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    return time.perf_counter() - start
+
+
+def grade_seconds(path: Path, root: Path) -> tuple[float, str]:
+    start = time.perf_counter()
+    [result] = grading.grade([path], root=root)
+    return time.perf_counter() - start, f"{result.score:g}/{result.max_score:g}"
+
+
+def meter_overhead(steps: int = 200, repeats: int = 5) -> tuple[float, float]:
+    """Seconds per forward+backward step of a small MLP, untracked and inside a CPU Meter (best of repeats)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def best(tracked: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            if tracked:
+                with Meter("cpu"):
+                    for _ in range(steps):
+                        step()
+            else:
+                for _ in range(steps):
+                    step()
+            times.append((time.perf_counter() - start) / steps)
+        return min(times)
+
+    step()
+    return best(False), best(True)
+
+
+def main(root: Path, names=()) -> int:
+    names = list(names) or grading.lessons(root)
+    print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, "
+          f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only'}")
+    print(f"{'lesson':<20} {'execute s':>10} {'grade s':>9} {'score':>7}  targets")
+    ok = True
+    for name in names:
+        [path] = sorted((root / "solutions" / name).glob("*.ipynb"))
+        run = execute_seconds(path)
+        graded, score = grade_seconds(path, root)
+        met = run < EXECUTE_TARGET_S and graded < run + GRADE_MARGIN_S
+        ok &= met
+        print(f"{name:<20} {run:>10.1f} {graded:>9.1f} {score:>7}  "
+              f"{'met' if met else 'MISSED'} (execute < {EXECUTE_TARGET_S:.0f} s, grade < execute + {GRADE_MARGIN_S:.0f} s)")
+    plain, tracked = meter_overhead()
+    ratio = tracked / plain
+    ok &= ratio < METER_OVERHEAD_TARGET
+    print(f"CPU meter: forward+backward step {plain * 1e3:.2f} ms untracked, {tracked * 1e3:.2f} ms tracked: "
+          f"{ratio:.2f}x ({'met' if ratio < METER_OVERHEAD_TARGET else 'MISSED'}, target < {METER_OVERHEAD_TARGET:.0f}x)")
+    return 0 if ok else 1
