@@ -32,6 +32,7 @@ c.ClearSolutions.code_stub = {
 # Any stderr output scores a test cell 0.  Library warnings are not the student's
 # fault: drop stderr text that is only Python warnings (the checks themselves raise
 # AssertionError for real failures).
+c.IgnorePattern.enabled = True
 c.IgnorePattern.pattern = r"^(\S+:\d+: \w*Warning: .*\n?(  .*\n?)*)+$"
 
 c.ExecutePreprocessor.kernel_name = "python3"
