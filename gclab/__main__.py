@@ -14,6 +14,10 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _size_or_none(text: str):
+    return None if text.strip().lower() in ("none", "0", "off") else _size(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gclab", description=__doc__)
     parser.add_argument("--course", type=Path, help="the course folder (default: found from the notebooks or here)")
@@ -26,8 +30,9 @@ def main(argv=None) -> int:
     g.add_argument("--json", action="store_true", help="print the results as JSON")
     g.add_argument("--timeout", type=int, default=900, help="seconds allowed per notebook (default 900)")
     g.add_argument("--cell-timeout", type=int, help="seconds allowed per cell (default: autograder/nbgrader_config.py)")
-    g.add_argument("--memory-limit", type=_size,
-                   help="address-space limit for the grading kernel, e.g. 8G (CPU-only machines; "
+    g.add_argument("--memory-limit", type=_size_or_none, default="auto",
+                   help="address-space limit for the grading kernel, e.g. 8G, or 'none' (default: "
+                        "8G or 3/4 of the RAM on a machine without an NVIDIA GPU, none with one: "
                         "a CUDA kernel needs far more address space than memory)")
 
     b = sub.add_parser("bench", help="time the lessons, their grading and the meter's overhead")

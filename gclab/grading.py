@@ -43,11 +43,10 @@ def lessons(root: Path) -> list[str]:
                   if p.is_dir() and any(p.glob("*.ipynb")))
 
 
-def _nbgrader(args, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedProcess:
-    """Run an nbgrader command; on timeout kill it and its kernel, then raise TimeoutExpired."""
+def _run(cmd, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedProcess:
+    """Run a command; on timeout kill it and every process it started, then raise TimeoutExpired."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "nbgrader", *args]
     # a session of its own, so that a timeout can stop nbgrader and the kernel it started
     with subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, preexec_fn=preexec_fn, start_new_session=True) as proc:
@@ -61,6 +60,19 @@ def _nbgrader(args, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedP
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _nbgrader(args, cwd, timeout=None):
+    return _run([sys.executable, "-m", "nbgrader", *args], cwd, timeout)
+
+
+def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout=None,
+                  timeout=None, preexec_fn=None):
+    cmd = [sys.executable, "-m", "gclab._nbgrader_job", str(course), assignment]
+    cmd += ["--generate"] if generate else []
+    cmd += ["--student", student] if student else []
+    cmd += [f"--cell-timeout={cell_timeout}"] if cell_timeout else []
+    return _run(cmd, course, timeout, preexec_fn)
 
 
 def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
@@ -231,10 +243,10 @@ def _score(result: NotebookResult) -> NotebookResult:
     return result
 
 
-def _all_tests(release_nb, status, message) -> list[TestResult]:
+def _all_tests(source_nb, status, message) -> list[TestResult]:
     return [TestResult(c.metadata["nbgrader"]["grade_id"], 0.0,
                        float(c.metadata["nbgrader"].get("points", 0)), status, message)
-            for c in _grade_cells(release_nb)]
+            for c in _grade_cells(source_nb)]
 
 
 # -- grading -------------------------------------------------------------------------
@@ -257,6 +269,15 @@ def assignment_of(path: Path, root: Path) -> tuple[str, str]:
                      "and its cells match no lesson)")
 
 
+def default_memory_limit() -> int | None:
+    """Address-space limit for a grading kernel: none on a machine with an NVIDIA GPU (CUDA
+    reserves far more address space than memory), else 8 GiB or 3/4 of the RAM, the lower."""
+    if os.path.exists("/dev/nvidiactl"):
+        return None
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(8 * 1024**3, ram * 3 // 4)
+
+
 def _memory_limit(nbytes):
     def apply():
         import resource
@@ -264,9 +285,16 @@ def _memory_limit(nbytes):
     return apply if nbytes else None
 
 
-def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None = None,
+def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None | str = "auto",
           cell_timeout: int | None = None) -> list[NotebookResult]:
-    """Grade each submitted notebook; see the module docstring."""
+    """Grade each submitted notebook; see the module docstring.
+
+    `memory_limit` caps the address space of nbgrader and the kernel it starts, so that a
+    submission that allocates without end gets a MemoryError in its cell (and a score)
+    instead of taking the machine down; "auto" is `default_memory_limit()`, None no limit.
+    """
+    if memory_limit == "auto":
+        memory_limit = default_memory_limit()
     paths = [Path(p) for p in paths]
     root = root or find_course_root(*[p.parent for p in paths])
     results = []
@@ -285,47 +313,47 @@ def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int
 
 def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, cell_timeout):
     _scratch_course(root, [assignment], course)
-    extra = [f"--Execute.timeout={cell_timeout}"] if cell_timeout else []
-    done = _nbgrader(["generate_assignment", assignment, "--force"], cwd=course / "autograder")
-    if done.returncode != 0:
-        raise RuntimeError(f"nbgrader generate_assignment failed:\n{done.stdout}{done.stderr}")
+    generated = False
     for student, path, stem, result in entries:
-        release_nb = nbformat.read(course / "notebooks" / assignment / f"{stem}.ipynb", 4)
+        source_nb = nbformat.read(course / "solutions" / assignment / f"{stem}.ipynb", 4)
         try:
             submitted = nbformat.read(path, 4)
         except Exception as exc:
-            result.tests = _all_tests(release_nb, "error", f"not graded: the file is not a readable notebook ({exc})")
+            result.tests = _all_tests(source_nb, "error", f"not graded: the file is not a readable notebook ({exc})")
             result.reason = "unreadable notebook"
             continue
         every_cell = tuple(c.source for c in submitted.cells if c.cell_type == "code")
         patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell)]
         if patched:
             result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
-            result.tests = _all_tests(release_nb, "error", "not graded: " + result.reason)
+            result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
             continue
         folder = course / "submitted" / student / assignment
         folder.mkdir(parents=True)
         shutil.copy(path, folder / f"{stem}.ipynb")
-        _autograde_one(course, assignment, student, stem, release_nb, result, timeout, memory_limit, extra)
+        _autograde_one(course, assignment, student, stem, source_nb, result, not generated,
+                       timeout, memory_limit, cell_timeout)
+        generated = True
 
 
-def _autograde_one(course, assignment, student, stem, release_nb, result, timeout, memory_limit, extra):
-    args = ["autograde", assignment, "--student", student, "--force", "--create", *extra]
+def _autograde_one(course, assignment, student, stem, source_nb, result, generate, timeout,
+                   memory_limit, cell_timeout):
     try:
-        done = _nbgrader(args, cwd=course / "autograder", timeout=timeout,
-                         preexec_fn=_memory_limit(memory_limit))
-        log = done.stdout + done.stderr
+        done = _nbgrader_job(course, assignment, generate=generate, student=student,
+                             cell_timeout=cell_timeout, timeout=timeout + (60 if generate else 0),
+                             preexec_fn=_memory_limit(memory_limit))
+        log = done.stdout
     except subprocess.TimeoutExpired:
         result.reason = f"grading took longer than {timeout} s and was stopped"
-        result.tests = _all_tests(release_nb, "timeout", result.reason)
+        result.tests = _all_tests(source_nb, "timeout", result.reason)
         return
     graded = course / "autograded" / student / assignment / f"{stem}.ipynb"
     if not graded.exists():
-        died = "Kernel died" in log or "DeadKernelError" in log or "kernel died" in log.lower()
+        died = "kernel died" in log.lower() or "DeadKernelError" in log
         result.reason = ("the kernel died while running the notebook (it crashed, was killed, or ran "
                          "out of memory)" if died else "nbgrader could not grade the notebook: "
                          + _last_error_line(log))
-        result.tests = _all_tests(release_nb, "error", result.reason)
+        result.tests = _all_tests(source_nb, "error", result.reason)
         return
     result.tests = [_judge_cell(c) for c in _grade_cells(nbformat.read(graded, 4))]
 

@@ -54,10 +54,11 @@ def test_hostile_submissions_get_a_score_and_a_reason(course, tmp_path):
         "loops_forever": "def double(x):\n    return 2 * x\nwhile True:\n    pass",
         "kills_its_kernel": "import os\nos._exit(1)",
         "wrong": "def double(x):\n    return x + 2",
+        "allocates_without_end": "def double(x):\n    return 2 * x\nblocks = [bytearray(256 * 2**20) for _ in range(64)]",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
     }
     paths = [_submit(course, tmp_path, name, src) for name, src in subs.items()]
-    results = dict(zip(subs, grading.grade(paths, root=course, cell_timeout=10)))
+    results = dict(zip(subs, grading.grade(paths, root=course, cell_timeout=10, memory_limit=6 * 1024**3)))
     assert results["right"].score == 2
     # the runaway cell is interrupted; the tests after it still run (double was defined first)
     assert results["loops_forever"].max_score == 2
@@ -65,6 +66,8 @@ def test_hostile_submissions_get_a_score_and_a_reason(course, tmp_path):
     killed = results["kills_its_kernel"]
     assert killed.score == 0 and "kernel died" in killed.reason
     assert all(t.status == "error" for t in killed.tests)
+    # the allocation fails inside its own cell (MemoryError) and the tests still run
+    assert results["allocates_without_end"].score == 2
     assert results["warns"].score == 2, "a Python warning on stderr must not zero a test cell"
     wrong = results["wrong"]
     assert wrong.score == 0 and wrong.tests[0].status == "failed"

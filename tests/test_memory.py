@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import gc
 import inspect
-import itertools
 
 import pytest
 import torch
 
-from gclab import memory
 from gclab.memory import Meter, MeterPoint, default_device, describe_device, format_bytes
 
 KiB = 1024
@@ -108,6 +106,31 @@ def test_cat_and_stack_are_counted_as_new_storages():
         assert m.allocated() - base == nbytes(c) + nbytes(s) == 160
 
 
+
+def _storage_bytes(*tensors):
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_tensor_is_counted_by_the_dense_parts_that_hold_its_bytes():
+    with Meter("cpu") as m:
+        coo = torch.eye(3).to_sparse()            # 2x3 int64 indices, 3 float32 values
+        assert m.allocated() == 2 * 3 * 8 + 3 * 4 == _storage_bytes(coo._indices(), coo._values())
+        csr = torch.eye(3).to_sparse_csr()
+        parts = (csr.crow_indices(), csr.col_indices(), csr.values())
+        assert m.allocated() == 60 + _storage_bytes(*parts)
+        del coo, csr, parts
+        assert m.allocated() == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no mkldnn in this build")
+def test_tensor_without_storage_does_not_break_the_meter():
+    with Meter("cpu") as m:
+        t = torch.zeros(4).to_mkldnn()            # opaque: no storage the meter can see
+        assert t.to_dense().sum().item() == 0
+        assert m.allocated() == 0
+
 # -- views, in-place, out= -----------------------------------------------------------
 VIEWS = {
     "view": lambda a: a.view(6, 4),
@@ -154,6 +177,16 @@ def test_out_variant_writes_into_the_existing_storage_without_counting_again():
         torch.mul(a, b, out=c)
         assert m.allocated() == m.peak() == 300
 
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: an op whose schema aliases its output (out=, "
+                   "resize_) is assumed to allocate nothing, but it may grow the storage in place")
+def test_out_variant_that_grows_its_output_is_counted():
+    with Meter("cpu") as m:
+        a, b = torch.ones(25), torch.ones(25)
+        c = torch.empty(0)
+        torch.add(a, b, out=c)                    # c's storage grows from 0 to 100 bytes
+        assert m.allocated() == 300
 
 def test_view_keeps_its_base_counted_until_the_view_goes_too():
     with Meter("cpu") as m:

@@ -1,0 +1,49 @@
+"""One grading job, run by `gclab grade` in a child process of its own:
+
+    python -m gclab._nbgrader_job COURSE ASSIGNMENT [--generate] [--student ID] [--cell-timeout S]
+
+It loads the course's autograder/nbgrader_config.py, optionally regenerates the
+assignment (which records the hidden tests in the gradebook) and autogrades one
+student's submission, all in one interpreter: nbgrader takes seconds to import, and a
+grading command pays that once per submission instead of once per step.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("course", type=Path)
+    parser.add_argument("assignment")
+    parser.add_argument("--generate", action="store_true")
+    parser.add_argument("--student")
+    parser.add_argument("--cell-timeout", type=int)
+    args = parser.parse_args(argv)
+
+    from traitlets.config.loader import PyFileConfigLoader
+    from nbgrader.apps import NbGraderAPI
+
+    autograder = args.course / "autograder"
+    os.chdir(autograder)
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(autograder)).load_config()
+    if args.cell_timeout:
+        config.Execute.timeout = args.cell_timeout
+    api = NbGraderAPI(config=config)
+    steps = []
+    if args.generate:
+        steps.append(("generate_assignment", lambda: api.generate_assignment(args.assignment, force=True)))
+    if args.student:
+        steps.append(("autograde", lambda: api.autograde(args.assignment, args.student, force=True)))
+    for name, step in steps:
+        result = step()
+        print(result.get("log", ""))
+        if not result.get("success"):
+            print(f"nbgrader {name} failed:\n{result.get('error', '')}", file=sys.stderr)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
