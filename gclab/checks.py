@@ -118,25 +118,26 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0) -> 
     """
     meter = Meter(device)
     report = FlatReport(device=meter.device, iterations=iterations)
+    watch = GCWatch()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         with meter:
-            for i in range(warmup):
-                _plain(step(i))
-            baseline = meter.allocated()
-            with GCWatch() as watch:
-                try:
+            try:
+                for i in range(warmup):
+                    _plain(step(i))
+                baseline = meter.allocated()
+                with watch:
                     for i in range(warmup, warmup + iterations):
                         report.results.append(_plain(step(i)))
                         report.growth.append(meter.allocated() - baseline)
                         if gc.isenabled():
                             report.reenabled_gc = True
                             gc.disable()
-                except Exception as exc:          # reported, not raised: the report says what happened
-                    report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
-            report.collections = list(watch.collections)
+            except Exception as exc:          # reported, not raised: the report says what happened
+                report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
     finally:
+        report.collections = list(watch.collections)
         if was_enabled:
             gc.enable()
     return report

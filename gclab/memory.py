@@ -50,7 +50,7 @@ def describe_device(device) -> str:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes as a short human string: 512 B, 3.0 KiB, 2.00 MiB, 1.50 GiB."""
+    """Bytes as a short human string: 512 B, 3.00 KiB, 2.00 MiB, 1.50 GiB."""
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit, size in (("GiB", 1024**3), ("MiB", MiB), ("KiB", 1024)):
@@ -67,8 +67,17 @@ class MeterPoint:
     allocated: int      # bytes, as `Meter.allocated()` returned
 
 
-def _returns_alias(func) -> bool:
-    return any(ret.alias_info is not None for ret in func._schema.returns)
+_ALLOCATES, _MUTATES, _VIEWS = "allocates", "mutates", "views"
+
+
+def _op_kind(func) -> str:
+    """What an op can do to storage, read from its schema: make new storage (no result
+    aliases an input), write into an input's storage (in-place and out= variants, which
+    may resize it), or only view existing storage."""
+    schema = func._schema
+    if schema.name in _LIFT_OPS or not any(ret.alias_info is not None for ret in schema.returns):
+        return _ALLOCATES
+    return _MUTATES if schema.is_mutable else _VIEWS
 
 
 # A sparse tensor has no storage of its own: the dense tensors it is made of hold its bytes.
@@ -145,7 +154,7 @@ class _CpuStorageTracker(TorchDispatchMode):
         self._size: dict[int, int] = {}   # storage address -> bytes
         self._counted = 0                 # bytes in _size, some perhaps freed since the last sweep
         self.peak = 0
-        self._allocates: dict = {}        # op -> may its result be a new storage (schema has no alias)?
+        self._kinds: dict = {}            # op -> _ALLOCATES, _MUTATES or _VIEWS
         self._collections = 0             # collections seen so far
         self._collections_at_sweep = 0
 
@@ -183,15 +192,15 @@ class _CpuStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        allocates = self._allocates.get(func)
-        if allocates is None:
-            allocates = self._allocates[func] = (not _returns_alias(func)
-                                                 or func._schema.name in _LIFT_OPS)
-        if not allocates:
-            return out
-        new = self._new_storages(out)
-        if new:
-            self._admit(new, func)
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _op_kind(func)
+        if kind is _ALLOCATES:
+            new = self._new_storages(out)
+            if new:
+                self._admit(new, func)
+        elif kind is _MUTATES:
+            self._regrow(out, func)
         return out
 
     def _new_storages(self, out):
@@ -201,7 +210,7 @@ class _CpuStorageTracker(TorchDispatchMode):
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
-            if key in found or not storage.nbytes():
+            if key in found:
                 continue
             if key in self._weak:
                 if not _expired(self._weak[key]):
@@ -216,11 +225,9 @@ class _CpuStorageTracker(TorchDispatchMode):
         if over_budget or self._counted + nbytes > self.peak:
             self._sweep()                 # make the count exact before judging it
         if self.budget is not None and self._counted + nbytes > self.budget:
-            raise torch.OutOfMemoryError(
-                f"Simulated CPU budget exceeded: {func._schema.name} tried to allocate "
-                f"{format_bytes(nbytes)} with {format_bytes(self._counted)} of the "
-                f"{format_bytes(self.budget)} budget already held by live tensors. "
-                "(No GPU here: gclab.memory.Meter enforces this budget in place of the CUDA allocator.)")
+            raise self._over_budget(f"{func._schema.name} tried to allocate {format_bytes(nbytes)} "
+                                    f"with {format_bytes(self._counted)} of the "
+                                    f"{format_bytes(self.budget)} budget already held by live tensors")
         for key, storage in new.items():
             self._weak[key] = storage._weak_ref()
             self._size[key] = storage.nbytes()
@@ -228,6 +235,36 @@ class _CpuStorageTracker(TorchDispatchMode):
                 _ballast.pop()
         self._counted += nbytes
         self.peak = max(self.peak, self._counted)
+
+    @staticmethod
+    def _over_budget(what: str) -> torch.OutOfMemoryError:
+        return torch.OutOfMemoryError(
+            f"Simulated CPU budget exceeded: {what}. (No GPU here: gclab.memory.Meter "
+            "enforces this budget in place of the CUDA allocator.)")
+
+    def _regrow(self, out, func):
+        """An in-place or out= op can resize a counted storage (`out=` into an empty tensor,
+        `resize_`): count its new size.  The bytes are already taken, so they are counted
+        even when they pass the budget, and then the budget error is raised."""
+        for tensor in _tensors(out):
+            if tensor.device.type != "cpu":
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key not in self._weak or _expired(self._weak[key]):
+                continue                  # not created under this meter
+            delta = storage.nbytes() - self._size[key]
+            if not delta:
+                continue
+            self._size[key] += delta
+            self._counted += delta
+            if delta > 0:
+                self._sweep()
+                self.peak = max(self.peak, self._counted)
+                if self.budget is not None and self._counted > self.budget:
+                    raise self._over_budget(f"{func._schema.name} grew a tensor by {format_bytes(delta)} "
+                                            f"to {format_bytes(self._counted)} held, past the "
+                                            f"{format_bytes(self.budget)} budget")
 
     def forget_all(self):
         """Stop counting and release the weak references."""

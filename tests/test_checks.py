@@ -18,16 +18,6 @@ class Node:
         self.other = None
 
 
-@pytest.fixture(autouse=True)
-def restore_gc_state():
-    was_enabled = gc.isenabled()
-    yield
-    if was_enabled:
-        gc.enable()
-    else:
-        gc.disable()
-
-
 @pytest.fixture
 def collect_after():
     yield
@@ -193,17 +183,27 @@ def test_gc_state_is_restored_after_the_check(enabled, collect_after):
         assert gc.isenabled() is enabled
 
 
-def test_collector_state_is_restored_when_the_warmup_raises():
+def test_a_warmup_error_is_reported_and_the_collector_state_restored():
     gc.enable()
 
     def step(i):
         raise RuntimeError("warm-up failure")
 
-    try:
-        run_flat_check(step, iterations=2, warmup=1)
-    except RuntimeError:
-        pass                      # a warm-up error may propagate; the collector's state must not leak
+    report = run_flat_check(step, iterations=2, warmup=1)
+    assert not report.ok and isinstance(report.error, RuntimeError)
+    assert "warm-up failure" in report.explain()
     assert gc.isenabled()
+
+
+def test_collections_before_an_error_are_still_reported():
+    def step(i):
+        if i == 0:
+            gc.collect()
+        else:
+            raise RuntimeError("second step fails")
+
+    report = run_flat_check(step, iterations=2)
+    assert report.error is not None and len(report.collections) == 1
 
 
 # -- compare / assert_matches ------------------------------------------------------------

@@ -21,16 +21,6 @@ def make_cycles(n: int) -> None:
         a.other, b.other = b, a
 
 
-@pytest.fixture(autouse=True)
-def restore_gc_state():
-    was_enabled = gc.isenabled()
-    yield
-    if was_enabled:
-        gc.enable()
-    else:
-        gc.disable()
-
-
 def test_explicit_collections_are_recorded_with_their_generation():
     with gc_disabled():
         with GCWatch() as watch:
