@@ -44,7 +44,8 @@ def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration"
         ax.plot(oom, [mib[i] for i in oom], "x", color="red", ms=12, mew=3, label="out of memory")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("MiB held by tensors")
-    ax.set_ylim(bottom=0)
+    top = max(mib + [meter.budget / MiB if meter.budget else 0, 1e-3])
+    ax.set_ylim(-0.03 * top, 1.08 * top)   # a line flat at zero stays visible above the axis
     ax.set_title(title or f"Tensor memory on {meter.device}")
     ax.legend(loc="upper left", fontsize="small")
     return ax
