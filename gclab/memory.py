@@ -358,7 +358,8 @@ class Meter:
             torch.cuda.empty_cache()
             total = torch.cuda.get_device_properties(self.device).total_memory
             cap = torch.cuda.memory_reserved(self.device) + self.budget
-            self._cuda_fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+            get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+            self._cuda_fraction = get_fraction(self.device) if get_fraction else 1.0
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
 
     def _exit_cuda(self):

@@ -645,6 +645,14 @@ def test_cuda_meter_without_budget_leaves_the_fraction_alone(monkeypatch):
     assert fake.fraction == 0.75
 
 
+def test_cuda_budget_works_on_a_torch_without_get_per_process_memory_fraction(monkeypatch):
+    fake = FakeCuda().install(monkeypatch)
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")   # added in torch 2.6
+    with Meter("cuda", budget=3000):
+        assert fake.fraction == pytest.approx((2048 + 3000) / 10_000)
+    assert fake.fraction == 1.0                    # the allocator's default, restored
+
+
 def test_cuda_fraction_is_restored_when_the_block_raises(monkeypatch):
     fake = FakeCuda().install(monkeypatch)
     with pytest.raises(torch.OutOfMemoryError):
