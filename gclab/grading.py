@@ -140,19 +140,59 @@ def _parse(source):
         return None
 
 
-def tampering(source: str, context: tuple[str, ...] = ()) -> list[str]:
+def imported_tools(sources) -> dict[str, str]:
+    """Names that `sources` (the lesson's locked cells) import from the guarded modules,
+    each with where it comes from: {"checks": "gclab.checks", "Meter": "gclab.memory.Meter"}."""
+    names = {}
+    for tree in filter(None, map(_parse, sources)):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in _GUARDED:
+                        names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _GUARDED:
+                for a in node.names:
+                    names[a.asname or a.name] = f"{node.module}.{a.name}"
+    return names
+
+
+def _rebindings(tree, tools: dict[str, str]):
+    """Statements of `tree` that bind one of `tools`' names to something else."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            again = imported_tools([ast.unparse(node)])
+            if any(name in tools and again.get(name) != tools[name]
+                   for name in (a.asname or a.name.split(".")[0] for a in node.names)):
+                yield node
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.Delete)):
+            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
+            names = [n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)]
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            names = [n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name)]
+        else:
+            continue
+        if any(name in tools for name in names):
+            yield node
+
+
+def tampering(source: str, context: tuple[str, ...] = (), tools: dict[str, str] | None = None) -> list[str]:
     """Lines of `source` that replace or mutate the tools the grader relies on.
 
-    Assigning to an attribute of gc, torch, gclab, sys, builtins, time, weakref (or of
-    anything imported from them, here or in the notebook's other cells given as
-    `context`), setattr/delattr on them, and mutating gc.callbacks are flagged.
-    Calling them is fine.
+    Flagged: assigning to an attribute of gc, torch, gclab, sys, builtins, time, weakref
+    (or of anything imported from them, here or in the notebook's other cells given as
+    `context`), setattr/delattr on them, mutating gc.callbacks, and binding a name that
+    the lesson's locked cells imported from them (`tools`, see `imported_tools`) to
+    anything else. Calling them, or importing them again, is fine.
     """
     tree = _parse(source)
     if tree is None:
         return []           # a syntax error scores itself
     guarded = _guarded_aliases([tree, *filter(None, map(_parse, context))])
-    found = []
+    found = [ast.unparse(node).splitlines()[0] for node in _rebindings(tree, tools or {})]
     for node in ast.walk(tree):
         targets = []
         if isinstance(node, (ast.Assign, ast.Delete)):
@@ -323,7 +363,9 @@ def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, 
             result.reason = "unreadable notebook"
             continue
         every_cell = tuple(c.source for c in submitted.cells if c.cell_type == "code")
-        patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell)]
+        tools = imported_tools(c.source for c in source_nb.cells if c.cell_type == "code"
+                               and c.metadata.get("nbgrader", {}).get("locked"))
+        patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell, tools)]
         if patched:
             result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
             result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)

@@ -123,3 +123,31 @@ def test_submission_is_matched_to_its_lesson(course, tmp_path):
 def test_tampering_through_a_name_imported_in_another_cell_is_detected():
     setup = "from gclab import checks"
     assert grading.tampering("checks.assert_flat = lambda r: None", context=(setup,))
+
+
+SETUP = "import gc, torch\nfrom gclab import checks\nfrom gclab.memory import Meter, format_bytes as fb"
+
+
+@pytest.mark.parametrize("source", [
+    "checks = None",
+    "class Meter:\n    pass",
+    "def fb(n):\n    return ''",
+    "import fake_checks as checks",
+    "from gclab.memory import describe_device as Meter",
+    "for gc in range(3):\n    pass",
+    "with open('x') as checks:\n    pass",
+])
+def test_rebinding_a_tool_the_locked_cells_imported_is_detected(source):
+    tools = grading.imported_tools([SETUP])
+    assert grading.tampering(source, tools=tools)
+
+
+@pytest.mark.parametrize("source", [
+    "import gc\nimport torch",
+    "from gclab import checks",
+    "from gclab.memory import Meter, format_bytes as fb",
+    "meter = Meter('cpu')\nreport = checks.run_flat_check(lambda i: i)",
+])
+def test_importing_or_using_the_tools_again_is_fine(source):
+    tools = grading.imported_tools([SETUP])
+    assert grading.tampering(source, tools=tools) == []

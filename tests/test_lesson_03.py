@@ -56,6 +56,9 @@ WRONG = {
     "unlinked_back_reference": LEAKY.format(extra="tail.prev = None"),
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
+    "shadows_the_grader": LEAKY.format(extra="") + (
+        "\nclass _Lenient:\n    def __getattr__(self, name):\n        return lambda *a, **k: None\n"
+        "checks = _Lenient()\n"),
 }
 
 
@@ -128,6 +131,7 @@ def test_wrong_fixes_are_told_why(graded):
     assert "collector ran" in flat["collect_in_step"].message
     assert "did not return to its baseline" in flat["raised_thresholds"].message
     assert "modifies the grader" in graded["patches_the_grader"].reason
+    assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
 
 
 def test_edited_locked_cells_are_restored_before_grading(graded):
