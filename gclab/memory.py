@@ -10,9 +10,12 @@
 
 The CPU count is made by a `TorchDispatchMode` that sees every aten operation,
 forward and backward.  An operation whose schema says its result aliases an input
-(views, in-place and `out=` variants) allocates nothing; any other result's storage
-is new and is counted until the storage object is finalised, which happens the
-instant its last reference (a variable, a view, an autograd graph) goes away.
+(views, in-place and `out=` variants) allocates nothing, unless it resizes a counted
+storage; any other result's storage is new and is counted until the storage is freed,
+which happens the instant its last reference (a variable, a view, an autograd graph)
+goes away.  What it cannot see: tensors created before the meter started (and storage
+they grow later), and memory that is not a tensor's.  A tensor made by
+`torch.from_numpy` inside the meter is counted although numpy owns its buffer.
 """
 from __future__ import annotations
 
@@ -122,7 +125,7 @@ class _Ballast:
     __slots__ = ()
 
 
-_BALLAST_RESERVE = 16384
+_BALLAST_RESERVE = 65536     # about 2 MiB; enough for 65k storages alive at once or freed by a collection
 _ballast: list = []
 
 
