@@ -15,7 +15,10 @@ def _size(text: str) -> int:
 
 
 def _size_or_none(text: str):
-    return None if text.strip().lower() in ("none", "0", "off") else _size(text)
+    text = text.strip().lower()
+    if text == "auto":
+        return "auto"
+    return None if text in ("none", "0", "off") else _size(text)
 
 
 def main(argv=None) -> int:

@@ -62,10 +62,6 @@ def _run(cmd, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def _nbgrader(args, cwd, timeout=None):
-    return _run([sys.executable, "-m", "nbgrader", *args], cwd, timeout)
-
-
 def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout=None,
                   timeout=None, preexec_fn=None):
     cmd = [sys.executable, "-m", "gclab._nbgrader_job", str(course), assignment]
@@ -86,18 +82,11 @@ def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
 
 
 def build_release(root: Path, out: Path, assignments=None) -> Path:
-    """Generate the student release of `assignments` (default: every lesson) into `out`."""
-    assignments = assignments or lessons(root)
-    with tempfile.TemporaryDirectory(prefix="gclab-release-") as tmp:
-        course = _scratch_course(root, assignments, Path(tmp))
-        for name in assignments:
-            done = _nbgrader(["generate_assignment", name, "--force"], cwd=course / "autograder")
-            if done.returncode != 0:
-                raise RuntimeError(f"nbgrader generate_assignment {name} failed:\n{done.stdout}{done.stderr}")
-        out.mkdir(parents=True, exist_ok=True)
-        for name in assignments:
-            shutil.rmtree(out / name, ignore_errors=True)
-            shutil.copytree(course / "notebooks" / name, out / name)
+    """Copy the student release of `assignments` (default: every lesson) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in assignments or lessons(root):
+        shutil.rmtree(out / name, ignore_errors=True)
+        shutil.copytree(prepare(root, name) / "notebooks" / name, out / name)
     return out
 
 
@@ -351,9 +340,51 @@ def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int
     return [_score(r) for r in results]
 
 
+def _source_key(root: Path, assignment: str) -> str:
+    """A hash of everything generation depends on: the config, the lesson's files, nbgrader."""
+    import hashlib
+    from importlib.metadata import version
+    digest = hashlib.sha256(version("nbgrader").encode())
+    digest.update((root / CONFIG).read_bytes())
+    for path in sorted((root / "solutions" / assignment).rglob("*")):
+        if path.is_file() and ".ipynb_checkpoints" not in path.parts and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def prepare(root: Path, assignment: str) -> Path:
+    """A generated nbgrader course for `assignment` (its gradebook holds the hidden tests).
+
+    Generation costs seconds (nbgrader runs a database migration in a subprocess), so the
+    result is kept in autograder/work/cache/, keyed by a hash of the sources and config,
+    and reused until they change.  Where that folder cannot be written, a temporary one
+    is used and nothing is kept.
+    """
+    cache_root = root / "autograder" / "work" / "cache"
+    target = cache_root / f"{assignment}-{_source_key(root, assignment)}"
+    if (target / "autograder" / "gradebook.db").is_file():
+        return target
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f".{assignment}-", dir=cache_root))
+    except OSError:
+        building = Path(tempfile.mkdtemp(prefix="gclab-course-"))
+        target = building
+    course = _scratch_course(root, [assignment], building / "course" if building != target else building)
+    done = _nbgrader_job(course, assignment, generate=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"nbgrader generate_assignment {assignment} failed:\n{done.stdout}")
+    if building != target:
+        try:
+            course.rename(target)       # atomic: a concurrent grader sees all of it or none
+        except OSError:
+            pass                        # another grader got there first; theirs is the same
+        shutil.rmtree(building, ignore_errors=True)
+    return target
+
+
 def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, cell_timeout):
-    _scratch_course(root, [assignment], course)
-    generated = False
+    shutil.copytree(prepare(root, assignment), course)
     for student, path, stem, result in entries:
         source_nb = nbformat.read(course / "solutions" / assignment / f"{stem}.ipynb", 4)
         try:
@@ -373,17 +404,15 @@ def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, 
         folder = course / "submitted" / student / assignment
         folder.mkdir(parents=True)
         shutil.copy(path, folder / f"{stem}.ipynb")
-        _autograde_one(course, assignment, student, stem, source_nb, result, not generated,
+        _autograde_one(course, assignment, student, stem, source_nb, result,
                        timeout, memory_limit, cell_timeout)
-        generated = True
 
 
-def _autograde_one(course, assignment, student, stem, source_nb, result, generate, timeout,
+def _autograde_one(course, assignment, student, stem, source_nb, result, timeout,
                    memory_limit, cell_timeout):
     try:
-        done = _nbgrader_job(course, assignment, generate=generate, student=student,
-                             cell_timeout=cell_timeout, timeout=timeout + (60 if generate else 0),
-                             preexec_fn=_memory_limit(memory_limit))
+        done = _nbgrader_job(course, assignment, student=student, cell_timeout=cell_timeout,
+                             timeout=timeout, preexec_fn=_memory_limit(memory_limit))
         log = done.stdout
     except subprocess.TimeoutExpired:
         result.reason = f"grading took longer than {timeout} s and was stopped"

@@ -151,3 +151,42 @@ def test_rebinding_a_tool_the_locked_cells_imported_is_detected(source):
 def test_importing_or_using_the_tools_again_is_fine(source):
     tools = grading.imported_tools([SETUP])
     assert grading.tampering(source, tools=tools) == []
+
+
+def test_grade_command_prints_json_per_notebook(course, tmp_path):
+    import json
+    import subprocess
+    import sys
+    path = _submit(course, tmp_path, "cli", "def double(x):\n    return 2 * x")
+    done = subprocess.run([sys.executable, "-m", "gclab", "--course", str(course), "grade", str(path), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [entry] = json.loads(done.stdout)
+    assert entry["score"] == entry["max_score"] == 2
+    assert [t["status"] for t in entry["tests"]] == ["passed", "passed"]
+
+
+def test_grade_command_rejects_a_missing_file(tmp_path):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "gclab", "grade", str(tmp_path / "nope.ipynb")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no such notebook" in done.stderr
+
+
+@pytest.mark.parametrize("text, value", [("8G", 8 * 1024**3), ("512m", 512 * 1024**2), ("none", None),
+                                         ("auto", "auto"), ("1048576", 1024**2)])
+def test_memory_limit_option_is_parsed(text, value):
+    from gclab.__main__ import _size_or_none
+    assert _size_or_none(text) == value
+
+
+def test_generated_course_is_cached_until_the_sources_change(course, tmp_path):
+    course = Path(shutil.copytree(course, tmp_path / "copy"))
+    first = grading.prepare(course, "toy")
+    assert grading.prepare(course, "toy") == first
+    source = course / "solutions" / "toy" / "toy.ipynb"
+    nb = nbformat.read(source, 4)
+    nb.cells.append(nbformat.v4.new_markdown_cell("one more line"))
+    nbformat.write(nb, source)
+    assert grading.prepare(course, "toy") != first
