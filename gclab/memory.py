@@ -182,14 +182,18 @@ class _CpuStorageTracker(TorchDispatchMode):
         return self._sweep()
 
     def _sweep(self) -> int:
-        freed = [k for k, ref in self._weak.items() if _expired(ref)]
-        for key in freed:
-            _free_weak_ref(self._weak.pop(key))
-            self._counted -= self._size.pop(key)
-        # Storages freed by a collection did not lower the collector's count (it had
-        # just been reset); those freed by reference counting did, so give that back.
-        if freed and self._collections == self._collections_at_sweep:
-            _ballast.extend(_Ballast() for _ in freed)
+        weak = self._weak
+        freed = [key for key, ref in weak.items() if _expired(ref)]
+        if freed:
+            size = self._size
+            for key in freed:
+                _free_weak_ref(weak.pop(key))
+                self._counted -= size.pop(key)
+            # Storages freed by a collection did not lower the collector's count (it had
+            # just been reset); those freed by reference counting did, so give that back.
+            if self._collections == self._collections_at_sweep:
+                for _ in freed:
+                    _ballast.append(_Ballast())
         self._collections_at_sweep = self._collections
         return self._counted
 
@@ -207,25 +211,32 @@ class _CpuStorageTracker(TorchDispatchMode):
         return out
 
     def _new_storages(self, out):
+        """{storage address: storage} for the CPU storages in `out` not counted yet."""
+        if type(out) is torch.Tensor and out.layout is torch.strided:
+            tensors = (out,)              # the common case, without a generator
+        else:
+            tensors = _tensors(out)
         found = {}
-        for tensor in _tensors(out):
-            if tensor.device.type != "cpu":
+        weak = self._weak
+        for tensor in tensors:
+            if not tensor.is_cpu:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
             if key in found:
                 continue
-            if key in self._weak:
-                if not _expired(self._weak[key]):
+            if key in weak:
+                if not _expired(weak[key]):
                     continue              # already counted
                 self._sweep()             # a freed storage's address was reused
             found[key] = storage
         return found
 
     def _admit(self, new, func):
-        nbytes = sum(s.nbytes() for s in new.values())
-        over_budget = self.budget is not None and self._counted + nbytes > self.budget
-        if over_budget or self._counted + nbytes > self.peak:
+        sizes = {key: storage.nbytes() for key, storage in new.items()}
+        nbytes = sum(sizes.values())
+        if self._counted + nbytes > self.peak or (self.budget is not None
+                                                   and self._counted + nbytes > self.budget):
             self._sweep()                 # make the count exact before judging it
         if self.budget is not None and self._counted + nbytes > self.budget:
             raise self._over_budget(f"{func._schema.name} tried to allocate {format_bytes(nbytes)} "
@@ -233,11 +244,12 @@ class _CpuStorageTracker(TorchDispatchMode):
                                     f"{format_bytes(self.budget)} budget already held by live tensors")
         for key, storage in new.items():
             self._weak[key] = storage._weak_ref()
-            self._size[key] = storage.nbytes()
             if _ballast:
                 _ballast.pop()
+        self._size.update(sizes)
         self._counted += nbytes
-        self.peak = max(self.peak, self._counted)
+        if self._counted > self.peak:
+            self.peak = self._counted
 
     @staticmethod
     def _over_budget(what: str) -> torch.OutOfMemoryError:
@@ -250,7 +262,7 @@ class _CpuStorageTracker(TorchDispatchMode):
         `resize_`): count its new size.  The bytes are already taken, so they are counted
         even when they pass the budget, and then the budget error is raised."""
         for tensor in _tensors(out):
-            if tensor.device.type != "cpu":
+            if not tensor.is_cpu:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
