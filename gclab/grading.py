@@ -102,6 +102,7 @@ def release(root: Path) -> list[Path]:
 
 # -- a submission's tampering with the grader ---------------------------------------
 _GUARDED = {"gc", "gclab", "torch", "sys", "builtins", "time", "weakref", "nbgrader", "importlib"}
+_SETTINGS = ("torch.backends.",)   # switches ordinary training code sets; not the grader's tools
 _MUTATORS = {"append", "clear", "remove", "pop", "extend", "insert", "__setitem__", "__delitem__"}
 
 
@@ -109,17 +110,6 @@ def _root_name(node):
     while isinstance(node, (ast.Attribute, ast.Subscript)):
         node = node.value
     return node.id if isinstance(node, ast.Name) else None
-
-
-def _guarded_aliases(trees) -> set[str]:
-    names = set(_GUARDED)
-    for node in (n for tree in trees for n in ast.walk(tree)):
-        if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names
-                      if a.name.split(".")[0] in _GUARDED}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _GUARDED:
-            names |= {a.asname or a.name for a in node.names}
-    return names
 
 
 def _parse(source):
@@ -180,7 +170,7 @@ def tampering(source: str, context: tuple[str, ...] = (), tools: dict[str, str] 
     tree = _parse(source)
     if tree is None:
         return []           # a syntax error scores itself
-    guarded = _guarded_aliases([tree, *filter(None, map(_parse, context))])
+    guarded = _GUARDED | set(imported_tools([source, *context]))
     found = [ast.unparse(node).splitlines()[0] for node in _rebindings(tree, tools or {})]
     for node in ast.walk(tree):
         targets = []
@@ -189,7 +179,8 @@ def tampering(source: str, context: tuple[str, ...] = (), tools: dict[str, str] 
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
         for target in targets:
-            if isinstance(target, (ast.Attribute, ast.Subscript)) and _root_name(target) in guarded:
+            if (isinstance(target, (ast.Attribute, ast.Subscript)) and _root_name(target) in guarded
+                    and not ast.unparse(target).startswith(_SETTINGS)):
                 found.append(ast.unparse(node).splitlines()[0])
         if isinstance(node, ast.Call):
             func = node.func

@@ -106,6 +106,7 @@ def test_tampering_is_detected(source):
     "import weakref\nself_ref = weakref.ref(obj)",
     "node.prev = weakref.ref(head)",
     "torch.zeros(3).add_(1)",
+    "torch.backends.cudnn.benchmark = True",
     "def f(:\n",
 ])
 def test_ordinary_code_is_not_flagged(source):
