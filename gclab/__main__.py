@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     g.add_argument("--json", action="store_true", help="print the results as JSON")
     g.add_argument("--timeout", type=int, default=900, help="seconds allowed per notebook (default 900)")
     g.add_argument("--cell-timeout", type=int, help="seconds allowed per cell (default: autograder/nbgrader_config.py)")
+    g.add_argument("--jobs", type=int, default=1,
+                   help="notebooks graded at once (default 1; more is faster on a machine with spare "
+                        "cores, but disturbs lessons whose hidden tests time things)")
     g.add_argument("--memory-limit", type=_size_or_none, default="auto",
                    help="address-space limit for the grading kernel, e.g. 8G, or 'none' (default: "
                         "8G or 3/4 of the RAM on a machine without an NVIDIA GPU, none with one: "
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
         if missing:
             parser.error("no such notebook: " + ", ".join(missing))
         results = grading.grade(args.notebooks, root=args.course, timeout=args.timeout,
-                                memory_limit=args.memory_limit, cell_timeout=args.cell_timeout)
+                                memory_limit=args.memory_limit, cell_timeout=args.cell_timeout,
+                                jobs=max(1, args.jobs))
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
     from . import bench

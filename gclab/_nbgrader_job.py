@@ -1,11 +1,13 @@
 """One grading job, run by `gclab grade` in a child process of its own:
 
     python -m gclab._nbgrader_job COURSE ASSIGNMENT [--generate] [--student ID] [--cell-timeout S]
+                                 [--memory-limit BYTES]
 
 It loads the course's autograder/nbgrader_config.py, optionally regenerates the
 assignment (which records the hidden tests in the gradebook) and autogrades one
 student's submission, all in one interpreter: nbgrader takes seconds to import, and a
-grading command pays that once per submission instead of once per step.
+grading command pays that once per submission instead of once per step.  The memory
+limit caps the address space of this process and of the kernels it starts.
 """
 import argparse
 import os
@@ -20,7 +22,11 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", action="store_true")
     parser.add_argument("--student")
     parser.add_argument("--cell-timeout", type=int)
+    parser.add_argument("--memory-limit", type=int)
     args = parser.parse_args(argv)
+    if args.memory_limit:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (args.memory_limit, args.memory_limit))
 
     from traitlets.config.loader import PyFileConfigLoader
     from nbgrader.apps import NbGraderAPI

@@ -43,13 +43,13 @@ def lessons(root: Path) -> list[str]:
                   if p.is_dir() and any(p.glob("*.ipynb")))
 
 
-def _run(cmd, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedProcess:
+def _run(cmd, cwd, timeout=None) -> subprocess.CompletedProcess:
     """Run a command; on timeout kill it and every process it started, then raise TimeoutExpired."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                PYTHONWARNINGS="ignore")
     # a session of its own, so that a timeout can stop nbgrader and the kernel it started
     with subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, preexec_fn=preexec_fn, start_new_session=True) as proc:
+                          stderr=subprocess.STDOUT, start_new_session=True) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -63,12 +63,13 @@ def _run(cmd, cwd, timeout=None, preexec_fn=None) -> subprocess.CompletedProcess
 
 
 def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout=None,
-                  timeout=None, preexec_fn=None):
+                  timeout=None, memory_limit=None):
     cmd = [sys.executable, "-m", "gclab._nbgrader_job", str(course), assignment]
     cmd += ["--generate"] if generate else []
     cmd += ["--student", student] if student else []
     cmd += [f"--cell-timeout={cell_timeout}"] if cell_timeout else []
-    return _run(cmd, course, timeout, preexec_fn)
+    cmd += [f"--memory-limit={memory_limit}"] if memory_limit else []
+    return _run(cmd, course, timeout)
 
 
 def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
@@ -298,36 +299,39 @@ def default_memory_limit() -> int | None:
     return min(8 * 1024**3, ram * 3 // 4)
 
 
-def _memory_limit(nbytes):
-    def apply():
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
-    return apply if nbytes else None
-
-
 def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None | str = "auto",
-          cell_timeout: int | None = None) -> list[NotebookResult]:
+          cell_timeout: int | None = None, jobs: int = 1) -> list[NotebookResult]:
     """Grade each submitted notebook; see the module docstring.
 
     `memory_limit` caps the address space of nbgrader and the kernel it starts, so that a
     submission that allocates without end gets a MemoryError in its cell (and a score)
     instead of taking the machine down; "auto" is `default_memory_limit()`, None no limit.
+    `jobs` notebooks are graded at once, each in a course folder of its own (nbgrader's
+    SQLite gradebook is not safe to share); keep 1 for lessons whose tests time things.
     """
     if memory_limit == "auto":
         memory_limit = default_memory_limit()
     paths = [Path(p) for p in paths]
     root = root or find_course_root(*[p.parent for p in paths])
-    results = []
+    results, work = [], []
+    for index, path in enumerate(paths):
+        assignment, stem = assignment_of(path, root)
+        results.append(NotebookResult(notebook=str(path), assignment=assignment))
+        work.append((f"s{index:03d}", path, assignment, stem, results[-1]))
+    for assignment in {entry[2] for entry in work}:
+        prepare(root, assignment)       # generate once, before any job copies it
     with tempfile.TemporaryDirectory(prefix="gclab-grade-") as tmp:
-        groups: dict[str, list] = {}
-        for index, path in enumerate(paths):
-            assignment, stem = assignment_of(path, root)
-            result = NotebookResult(notebook=str(path), assignment=assignment)
-            results.append(result)
-            groups.setdefault(assignment, []).append((f"s{index:03d}", path, stem, result))
-        for assignment, entries in groups.items():
-            _grade_assignment(root, Path(tmp) / assignment, assignment, entries, timeout,
-                              memory_limit, cell_timeout)
+        def grade_entry(entry):
+            student, path, assignment, stem, result = entry
+            _grade_submission(root, Path(tmp) / student, assignment, student, path, stem, result,
+                              timeout, memory_limit, cell_timeout)
+        if jobs > 1 and len(work) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(grade_entry, work))
+        else:
+            for entry in work:
+                grade_entry(entry)
     return [_score(r) for r in results]
 
 
@@ -374,36 +378,36 @@ def prepare(root: Path, assignment: str) -> Path:
     return target
 
 
-def _grade_assignment(root, course, assignment, entries, timeout, memory_limit, cell_timeout):
+def _grade_submission(root, course, assignment, student, path, stem, result, timeout,
+                      memory_limit, cell_timeout):
     shutil.copytree(prepare(root, assignment), course)
-    for student, path, stem, result in entries:
-        source_nb = nbformat.read(course / "solutions" / assignment / f"{stem}.ipynb", 4)
-        try:
-            submitted = nbformat.read(path, 4)
-        except Exception as exc:
-            result.tests = _all_tests(source_nb, "error", f"not graded: the file is not a readable notebook ({exc})")
-            result.reason = "unreadable notebook"
-            continue
-        every_cell = tuple(c.source for c in submitted.cells if c.cell_type == "code")
-        tools = imported_tools(c.source for c in source_nb.cells if c.cell_type == "code"
-                               and c.metadata.get("nbgrader", {}).get("locked"))
-        patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell, tools)]
-        if patched:
-            result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
-            result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
-            continue
-        folder = course / "submitted" / student / assignment
-        folder.mkdir(parents=True)
-        shutil.copy(path, folder / f"{stem}.ipynb")
-        _autograde_one(course, assignment, student, stem, source_nb, result,
-                       timeout, memory_limit, cell_timeout)
+    source_nb = nbformat.read(course / "solutions" / assignment / f"{stem}.ipynb", 4)
+    try:
+        submitted = nbformat.read(path, 4)
+    except Exception as exc:
+        result.tests = _all_tests(source_nb, "error", f"not graded: the file is not a readable notebook ({exc})")
+        result.reason = "unreadable notebook"
+        return
+    every_cell = tuple(c.source for c in submitted.cells if c.cell_type == "code")
+    tools = imported_tools(c.source for c in source_nb.cells if c.cell_type == "code"
+                           and c.metadata.get("nbgrader", {}).get("locked"))
+    patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell, tools)]
+    if patched:
+        result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
+        result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
+        return
+    folder = course / "submitted" / student / assignment
+    folder.mkdir(parents=True)
+    shutil.copy(path, folder / f"{stem}.ipynb")
+    _autograde_one(course, assignment, student, stem, source_nb, result,
+                   timeout, memory_limit, cell_timeout)
 
 
 def _autograde_one(course, assignment, student, stem, source_nb, result, timeout,
                    memory_limit, cell_timeout):
     try:
         done = _nbgrader_job(course, assignment, student=student, cell_timeout=cell_timeout,
-                             timeout=timeout, preexec_fn=_memory_limit(memory_limit))
+                             timeout=timeout, memory_limit=memory_limit)
         log = done.stdout
     except subprocess.TimeoutExpired:
         result.reason = f"grading took longer than {timeout} s and was stopped"

@@ -58,7 +58,7 @@ def test_hostile_submissions_get_a_score_and_a_reason(course, tmp_path):
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
     }
     paths = [_submit(course, tmp_path, name, src) for name, src in subs.items()]
-    results = dict(zip(subs, grading.grade(paths, root=course, cell_timeout=10, memory_limit=6 * 1024**3)))
+    results = dict(zip(subs, grading.grade(paths, root=course, cell_timeout=10, memory_limit=6 * 1024**3, jobs=2)))
     assert results["right"].score == 2
     # the runaway cell is interrupted; the tests after it still run (double was defined first)
     assert results["loops_forever"].max_score == 2
@@ -154,17 +154,20 @@ def test_importing_or_using_the_tools_again_is_fine(source):
     assert grading.tampering(source, tools=tools) == []
 
 
-def test_grade_command_prints_json_per_notebook(course, tmp_path):
+def test_grade_command_prints_json_per_notebook_in_order(course, tmp_path):
     import json
     import subprocess
     import sys
-    path = _submit(course, tmp_path, "cli", "def double(x):\n    return 2 * x")
-    done = subprocess.run([sys.executable, "-m", "gclab", "--course", str(course), "grade", str(path), "--json"],
-                          capture_output=True, text=True, timeout=300)
+    right = _submit(course, tmp_path, "cli", "def double(x):\n    return 2 * x")
+    wrong = _submit(course, tmp_path, "cli2", "def double(x):\n    return x")
+    done = subprocess.run([sys.executable, "-m", "gclab", "--course", str(course), "grade", str(right), str(wrong),
+                           "--json", "--jobs", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    [entry] = json.loads(done.stdout)
-    assert entry["score"] == entry["max_score"] == 2
-    assert [t["status"] for t in entry["tests"]] == ["passed", "passed"]
+    first, second = json.loads(done.stdout)
+    assert first["notebook"] == str(right) and second["notebook"] == str(wrong)
+    assert first["score"] == first["max_score"] == 2
+    assert [t["status"] for t in first["tests"]] == ["passed", "passed"]
+    assert second["score"] == 1
 
 
 def test_grade_command_rejects_a_missing_file(tmp_path):

@@ -90,7 +90,7 @@ def graded(tmp_path_factory):
     paths["edits_locked_cells"] = folder / "edits_locked_cells-03_node_leak.ipynb"
     nbformat.write(edited, paths["edits_locked_cells"])
     names = list(paths)
-    results = grading.grade([paths[n] for n in names], root=ROOT)
+    results = grading.grade([paths[n] for n in names], root=ROOT, jobs=2)
     del solution_nb
     return dict(zip(names, results))
 
