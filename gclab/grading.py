@@ -220,6 +220,7 @@ class NotebookResult:
     tests: list[TestResult] = field(default_factory=list)
     assignment: str = ""
     reason: str = ""      # why the whole notebook scored what it did, when not the tests' own doing
+    executed: str = ""    # where the notebook as graded (with its outputs) was kept, if asked
 
     def as_dict(self):
         return asdict(self)
@@ -300,7 +301,7 @@ def default_memory_limit() -> int | None:
 
 
 def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None | str = "auto",
-          cell_timeout: int | None = None, jobs: int = 1) -> list[NotebookResult]:
+          cell_timeout: int | None = None, jobs: int = 1, keep_executed: Path | None = None) -> list[NotebookResult]:
     """Grade each submitted notebook; see the module docstring.
 
     `memory_limit` caps the address space of nbgrader and the kernel it starts, so that a
@@ -308,6 +309,8 @@ def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int
     instead of taking the machine down; "auto" is `default_memory_limit()`, None no limit.
     `jobs` notebooks are graded at once, each in a course folder of its own (nbgrader's
     SQLite gradebook is not safe to share); keep 1 for lessons whose tests time things.
+    With `keep_executed`, each notebook as graded, outputs and hidden tests included, is
+    copied into that folder and its path set in `NotebookResult.executed`.
     """
     if memory_limit == "auto":
         memory_limit = default_memory_limit()
@@ -325,6 +328,10 @@ def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int
             student, path, assignment, stem, result = entry
             _grade_submission(root, Path(tmp) / student, assignment, student, path, stem, result,
                               timeout, memory_limit, cell_timeout)
+            graded = Path(tmp) / student / "autograded" / student / assignment / f"{stem}.ipynb"
+            if keep_executed and graded.is_file():
+                Path(keep_executed).mkdir(parents=True, exist_ok=True)
+                result.executed = str(shutil.copy(graded, Path(keep_executed) / f"{student}-{path.name}"))
         if jobs > 1 and len(work) > 1:
             from concurrent.futures import ThreadPoolExecutor
             with ThreadPoolExecutor(max_workers=jobs) as pool:
