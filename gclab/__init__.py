@@ -2,6 +2,7 @@
 
 Modules: `memory` (the tensor-memory Meter), `gcwatch` (collections seen through
 gc.callbacks), `plots` (timelines), `checks` (self-checks and hidden-test helpers),
-`grading` (the `gclab grade` command).
+`serving` (a model server and an open-loop load generator), `grading` (the `gclab
+grade` command).
 """
 __version__ = "0.1.0"

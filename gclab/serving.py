@@ -1,0 +1,495 @@
+"""A small model server and an open-loop load generator, to watch collector pauses hit requests.
+
+    with ModelServer(heap_objects=400_000, attribution=True, policy="my_policy.py") as server:
+        load = run_load(server.url, rate=200, duration=4.0)
+        trace = server.trace()
+    load.percentiles()               # latency in ms at P50, P95, P99 and the maximum
+    trace.collections_inside_requests(generation=2)
+
+The server is an ASGI app (Starlette) under uvicorn, in a process of its own on
+127.0.0.1.  It serves a small torch model, optionally with "attribution" post-processing
+that builds many small Python objects with back-references per request, and it keeps a
+long-lived heap (vocabulary, metadata, a response cache) the collector has to walk.  It
+records, on the shared `time.perf_counter()` clock (CLOCK_MONOTONIC on Linux), when each
+request started and ended and every collection (`gclab.gcwatch`), and hands them back on
+`GET /_gclab/trace`.
+
+The load generator runs in a process of its own with the collector off, so its own
+pauses cannot be charged to the server.  It is open-loop: request i leaves at its
+scheduled time whatever happened to the earlier ones, and its latency is measured from
+that scheduled time, so a request that waited behind a pause is charged for the wait.
+
+A GC policy is a Python file the server loads; it may define any of
+
+    on_startup()               after the heap and model are built and warmed up
+    before_request(in_flight)  as a request starts (in_flight counts it)
+    after_request(in_flight)   as a request ends (in_flight no longer counts it)
+    on_idle()                  when no request has been in flight for `idle_after` seconds
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .gcwatch import Collection, GCWatch
+
+__all__ = ["ModelServer", "LoadResult", "Trace", "run_load", "schedule"]
+
+READY = "gclab-serving ready on port"
+HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
+
+
+# -- what the server serves ------------------------------------------------------------
+class Explanation:
+    """Per-token attribution for one response; every token score points back at it."""
+    __slots__ = ("label", "tokens", "__weakref__")
+
+    def __init__(self, label):
+        self.label = label
+        self.tokens = []
+
+
+class TokenScore:
+    __slots__ = ("explanation", "token", "score", "by_class", "detail")
+
+    def __init__(self, explanation, token, score, by_class):
+        self.explanation = explanation          # the back-reference: a cycle per token
+        self.token = token
+        self.score = score
+        self.by_class = by_class                # a list of floats
+        self.detail = {"rank": None, "share": None}
+
+
+def long_lived_heap(objects: int) -> dict:
+    """Model metadata of about `objects` tracked containers that live as long as the server."""
+    entries = max(1, objects // 2)
+    return {"vocabulary": {f"tok{i}": [i, [i % 97, i % 89]] for i in range(entries)}}
+
+
+class Model:
+    """An embedding bag and two linear layers: a few hundred microseconds per request on a CPU."""
+
+    def __init__(self, device, vocabulary=4096, width=64, classes=8):
+        import torch
+        torch.manual_seed(0)
+        self.torch, self.device, self.vocabulary = torch, device, vocabulary
+        self.embedding = torch.randn(vocabulary, width, device=device)
+        self.hidden = torch.nn.Linear(width, width).to(device)
+        self.head = torch.nn.Linear(width, classes).to(device)
+
+    def tokens(self, seed: int, length: int = 64) -> list[int]:
+        return [(seed * 7919 + k * 104729) % self.vocabulary for k in range(length)]
+
+    def predict(self, tokens):
+        torch = self.torch
+        with torch.inference_mode():
+            embedded = self.embedding[torch.tensor(tokens, device=self.device)]
+            logits = self.head(torch.relu(self.hidden(embedded.mean(0))))
+            contributions = embedded @ self.head.weight.T       # per token, per class
+            return int(logits.argmax()), contributions.tolist()
+
+    def explain(self, label, tokens, contributions) -> Explanation:
+        explanation = Explanation(label)
+        for token, by_class in zip(tokens, contributions):
+            explanation.tokens.append(TokenScore(explanation, token, by_class[label], by_class))
+        total = sum(abs(t.score) for t in explanation.tokens) or 1.0
+        for rank, scored in enumerate(sorted(explanation.tokens, key=lambda t: t.score, reverse=True)):
+            scored.detail["rank"], scored.detail["share"] = rank, abs(scored.score) / total
+        return explanation
+
+
+class ResponseCache:
+    """The last `size` responses, oldest evicted first (a dict keeps insertion order)."""
+
+    def __init__(self, size: int):
+        self.size, self.entries = size, {}
+
+    def put(self, key, value):
+        self.entries.pop(key, None)
+        self.entries[key] = value
+        if len(self.entries) > self.size:
+            del self.entries[next(iter(self.entries))]
+
+
+# -- the server process ----------------------------------------------------------------
+def load_policy(path):
+    """The hooks a policy file defines (missing ones do nothing)."""
+    hooks = {name: (lambda *args: None) for name in HOOKS}
+    if path:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("gclab_policy", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        hooks.update({name: getattr(module, name) for name in HOOKS if callable(getattr(module, name, None))})
+    return hooks
+
+
+class ServerState:
+    def __init__(self, model, heap, cache, hooks, attribution):
+        self.model, self.heap, self.cache, self.hooks = model, heap, cache, hooks
+        self.attribution = attribution
+        self.in_flight = 0
+        self.last_end = time.perf_counter()
+        self.requests: list[tuple[float, float]] = []
+        self.idle_calls: list[tuple[float, float]] = []
+        self.errors: list[str] = []
+        self.explanations = weakref.WeakSet()
+        self.watch = GCWatch()
+
+    def answer(self, seed: int) -> dict:
+        tokens = self.model.tokens(seed)
+        label, contributions = self.model.predict(tokens)
+        body = {"label": label}
+        if self.attribution:
+            explanation = self.model.explain(label, tokens, contributions)
+            self.explanations.add(explanation)
+            self.cache.put(seed, explanation)
+            top = sorted(explanation.tokens, key=lambda t: t.score, reverse=True)[:5]
+            body["top_tokens"] = [[t.token, round(t.score, 4)] for t in top]
+        return body
+
+    def garbage(self) -> dict:
+        """Explanations still alive though neither cached nor in flight: cyclic garbage not yet collected."""
+        alive = len(self.explanations)
+        cached = sum(1 for value in self.cache.entries.values() if isinstance(value, Explanation))
+        return {"explanations_alive": alive, "cached": cached, "uncollected": max(0, alive - cached)}
+
+    def trace(self) -> dict:
+        return {
+            "requests": self.requests, "idle_calls": self.idle_calls, "errors": self.errors[:20],
+            "collections": [[c.generation, c.start, c.duration, c.collected, c.uncollectable]
+                            for c in self.watch.collections],
+            "garbage": self.garbage(), "gc_enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
+            "frozen": gc.get_freeze_count(), "count": list(gc.get_count()),
+            "python": sys.version.split()[0],
+        }
+
+    def reset(self):
+        self.requests, self.idle_calls, self.errors = [], [], []
+        self.watch.collections = []
+
+
+def build_app(state: ServerState, idle_after: float):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def predict(request):
+        seed = int(request.query_params.get("seed", "0"))
+        await asyncio.sleep(0)          # a stage boundary, as when awaiting a batcher: requests interleave
+        return JSONResponse(state.answer(seed))
+
+    async def trace(request):
+        data = state.trace()
+        if request.query_params.get("reset"):
+            state.reset()
+        return JSONResponse(data)
+
+    app = Starlette(routes=[Route("/predict", predict), Route("/_gclab/trace", trace)])
+
+    async def timed(scope, receive, send):
+        if scope["type"] != "http" or scope["path"].startswith("/_gclab"):
+            return await app(scope, receive, send)
+        start = time.perf_counter()
+        state.in_flight += 1
+        try:
+            state.hooks["before_request"](state.in_flight)
+            await app(scope, receive, send)
+        except Exception as exc:
+            state.errors.append(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            state.in_flight -= 1
+            state.last_end = end = time.perf_counter()
+            state.requests.append((start, end))
+            try:
+                state.hooks["after_request"](state.in_flight)
+            except Exception as exc:
+                state.errors.append(f"after_request: {type(exc).__name__}: {exc}")
+    return timed
+
+
+async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: int):
+    called_since_last = True
+    seen_requests = 0
+    while True:
+        await asyncio.sleep(min(idle_after / 2, 0.05))
+        if os.getppid() != parent:          # the notebook went away: do not outlive it
+            os._exit(0)
+        if len(state.requests) != seen_requests:
+            seen_requests, called_since_last = len(state.requests), False
+        if (not called_since_last and state.in_flight == 0
+                and time.perf_counter() - state.last_end >= idle_after):
+            start = time.perf_counter()
+            try:
+                state.hooks["on_idle"]()
+            except Exception as exc:
+                state.errors.append(f"on_idle: {type(exc).__name__}: {exc}")
+            state.idle_calls.append((start, time.perf_counter()))
+            called_since_last = True
+
+
+def serve(heap_objects: int, attribution: bool, policy: str | None, device: str,
+          cache_size: int, idle_after: float) -> None:
+    import socket
+
+    import torch
+    import uvicorn
+    torch.set_num_threads(1)
+    hooks = load_policy(policy)
+    model = Model(torch.device(device))
+    state = ServerState(model, long_lived_heap(heap_objects), ResponseCache(cache_size), hooks, attribution)
+    for seed in range(50):                  # warm-up: first calls into torch allocate for good
+        state.answer(seed)
+    state.cache.entries.clear()
+    gc.collect()
+    hooks["on_startup"]()
+    app = build_app(state, idle_after)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accepted connections inherit this: without it Nagle's algorithm holds the body back
+    # until the client's delayed ACK, about 40 ms per response
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)                       # connections wait in the backlog until uvicorn accepts them
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", loop="asyncio", http="h11")
+    server = uvicorn.Server(config)
+    parent = os.getppid()
+
+    async def main():
+        watcher = asyncio.ensure_future(_watch_idle_and_parent(state, idle_after, parent))
+        print(f"{READY} {sock.getsockname()[1]}", flush=True)
+        with state.watch:
+            await server.serve(sockets=[sock])
+        watcher.cancel()
+    asyncio.run(main())
+
+
+# -- the load generator process --------------------------------------------------------
+def schedule(rate: float, count: int, poisson: bool = False, seed: int = 0) -> list[float]:
+    """Send times in seconds from the start: every 1/rate, or a Poisson process of that rate."""
+    if not poisson:
+        return [i / rate for i in range(count)]
+    import random
+    rng, at, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(at)
+        at += rng.expovariate(rate)
+    return times
+
+
+async def _send_all(host, port, times, timeout):
+    idle: list = []
+    t0 = time.perf_counter() + 0.05
+    rows = [[t0 + at, None, None, 0] for at in times]      # scheduled, sent, done, status
+
+    async def one(i):
+        row = rows[i]
+        await asyncio.sleep(max(0.0, row[0] - time.perf_counter()))
+        row[1] = time.perf_counter()
+        reader, writer = idle.pop() if idle else await asyncio.open_connection(host, port)
+        writer.write(b"GET /predict?seed=%d HTTP/1.1\r\nHost: gclab\r\n\r\n" % i)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        row[2], row[3] = time.perf_counter(), int(head.split(b" ", 2)[1])
+        idle.append((reader, writer))
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(times))]
+    await asyncio.wait(tasks, timeout=timeout)
+    for task in tasks:
+        task.cancel()
+    for _, writer in idle:
+        writer.close()
+    return rows
+
+
+def load_main(url: str, rate: float, count: int, poisson: bool, seed: int, timeout: float) -> None:
+    gc.disable()                            # the client's own pauses must not be charged to the server
+    host, port = url.split("//")[1].split(":")
+    rows = asyncio.run(_send_all(host, int(port), schedule(rate, count, poisson, seed), timeout))
+    print(json.dumps(rows))
+
+
+# -- the notebook's side -----------------------------------------------------------------
+@dataclass
+class LoadResult:
+    """One open-loop run: per request its scheduled send time, when it was sent, when its
+    answer arrived (None if it never did) and its HTTP status (0: no answer)."""
+    scheduled: list[float]
+    sent: list
+    done: list
+    status: list[int]
+
+    @property
+    def latencies_ms(self):
+        import numpy as np
+        return np.array([(d - s) * 1e3 for s, d in zip(self.scheduled, self.done) if d is not None])
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for code in self.status if code != 200)
+
+    def percentiles(self, points=(50, 95, 99, 100)) -> dict:
+        import numpy as np
+        latencies = self.latencies_ms
+        if len(latencies) == 0:
+            return {p: float("inf") for p in points}
+        return {p: float(np.percentile(latencies, p)) for p in points}
+
+
+@dataclass
+class Trace:
+    """What the server recorded: request intervals, collections, idle-hook calls, garbage."""
+    requests: list
+    collections: list[Collection]
+    idle_calls: list = field(default_factory=list)
+    garbage: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Trace":
+        collections = [Collection(int(g), s, d, int(c), int(u)) for g, s, d, c, u in data["collections"]]
+        info = {k: data[k] for k in ("gc_enabled", "threshold", "frozen", "count", "python")}
+        return cls([tuple(r) for r in data["requests"]], collections, [tuple(c) for c in data["idle_calls"]],
+                   data["garbage"], info, data["errors"])
+
+    def collections_inside_requests(self, generation: int | None = None) -> list[Collection]:
+        """Collections that ran while at least one request was being handled."""
+        import numpy as np
+        if not self.requests:
+            return []
+        starts, ends = np.array(self.requests).T
+        return [c for c in self.collections if (generation is None or c.generation == generation)
+                and bool(np.any((starts < c.start + c.duration) & (ends > c.start)))]
+
+
+def _kill(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+class ModelServer:
+    """Start the model server in its own process; always stopped on exit, error or interrupt."""
+
+    def __init__(self, heap_objects: int = 400_000, attribution: bool = True, policy=None,
+                 device=None, cache_size: int = 1000, idle_after: float = 0.01, startup_timeout: float = 120):
+        from .memory import default_device
+        self.options = dict(heap_objects=heap_objects, attribution=attribution,
+                            policy=str(Path(policy).resolve()) if policy else None,
+                            device=str(device or default_device()), cache_size=cache_size, idle_after=idle_after)
+        self.startup_timeout = startup_timeout
+        self.proc = None
+        self.port = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ModelServer":
+        o = self.options
+        cmd = [sys.executable, "-m", "gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
+               "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"])]
+        cmd += ["--attribution"] if o["attribution"] else []
+        cmd += ["--policy", o["policy"]] if o["policy"] else []
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self._finalizer = weakref.finalize(self, _kill, self.proc)
+        line = self._first_line()
+        if not line.startswith(READY):
+            self.stop()
+            raise RuntimeError("the model server did not start: " + (self._error_text() or line or "no output"))
+        self.port = int(line.split()[-1])
+        return self
+
+    def _first_line(self) -> str:
+        found: list[str] = []
+        reader = threading.Thread(target=lambda: found.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(self.startup_timeout)
+        return found[0].strip() if found else ""
+
+    def _error_text(self) -> str:
+        self._log.seek(0)
+        lines = [line for line in self._log.read().strip().splitlines() if line.strip()]
+        return "\n".join(lines[-8:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                _kill(self.proc)
+        if self.proc is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> "ModelServer":
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def trace(self, reset: bool = False) -> Trace:
+        with urllib.request.urlopen(f"{self.url}/_gclab/trace{'?reset=1' if reset else ''}", timeout=60) as answer:
+            return Trace.from_json(json.loads(answer.read()))
+
+
+def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool = True, seed: int = 0,
+             timeout: float | None = None) -> LoadResult:
+    """Send rate × duration requests on an open-loop schedule (in a process of its own) and wait
+    for their answers; requests still unanswered `timeout` seconds after the start count as failed."""
+    count = max(1, int(rate * duration))
+    timeout = timeout or duration + 30
+    cmd = [sys.executable, "-m", "gclab.serving", "load", url, "--rate", str(rate), "--count", str(count),
+           "--seed", str(seed), "--timeout", str(timeout)] + (["--poisson"] if poisson else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
+    if done.returncode != 0:
+        raise RuntimeError("the load generator failed: " + done.stderr.strip()[-800:])
+    rows = json.loads(done.stdout)
+    return LoadResult(*[list(column) for column in zip(*rows)])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gclab.serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--heap-objects", type=int, default=400_000)
+    s.add_argument("--attribution", action="store_true")
+    s.add_argument("--policy")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--cache-size", type=int, default=1000)
+    s.add_argument("--idle-after", type=float, default=0.01)
+    c = sub.add_parser("load")
+    c.add_argument("url")
+    c.add_argument("--rate", type=float, required=True)
+    c.add_argument("--count", type=int, required=True)
+    c.add_argument("--poisson", action="store_true")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after)
+    else:
+        load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
