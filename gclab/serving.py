@@ -142,7 +142,7 @@ class ServerState:
         self.attribution = attribution
         self.in_flight = 0
         self.last_end = time.perf_counter()
-        self.requests: list[tuple[float, float]] = []
+        self.requests: list[tuple[int, float, float]] = []      # (request id, start, end)
         self.idle_calls: list[tuple[float, float]] = []
         self.errors: list[str] = []
         self.explanations = weakref.WeakSet()
@@ -181,6 +181,17 @@ class ServerState:
         self.watch.collections = []
 
 
+def _request_id(query: bytes) -> int:
+    """The load generator numbers its requests `?seed=i`; other requests are -1."""
+    for part in query.split(b"&"):
+        if part.startswith(b"seed="):
+            try:
+                return int(part[5:])
+            except ValueError:
+                break
+    return -1
+
+
 def build_app(state: ServerState, idle_after: float):
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
@@ -203,6 +214,7 @@ def build_app(state: ServerState, idle_after: float):
         if scope["type"] != "http" or scope["path"].startswith("/_gclab"):
             return await app(scope, receive, send)
         start = time.perf_counter()
+        request_id = _request_id(scope["query_string"])
         state.in_flight += 1
         try:
             state.hooks["before_request"](state.in_flight)
@@ -213,7 +225,7 @@ def build_app(state: ServerState, idle_after: float):
         finally:
             state.in_flight -= 1
             state.last_end = end = time.perf_counter()
-            state.requests.append((start, end))
+            state.requests.append((request_id, start, end))
             try:
                 state.hooks["after_request"](state.in_flight)
             except Exception as exc:
@@ -353,7 +365,8 @@ class LoadResult:
 
 @dataclass
 class Trace:
-    """What the server recorded: request intervals, collections, idle-hook calls, garbage."""
+    """What the server recorded: each request's (id, start, end), the collections, the
+    policy's idle calls (start, end) and the cyclic garbage still alive at the end."""
     requests: list
     collections: list[Collection]
     idle_calls: list = field(default_factory=list)
@@ -373,7 +386,7 @@ class Trace:
         import numpy as np
         if not self.requests:
             return []
-        starts, ends = np.array(self.requests).T
+        _, starts, ends = np.array(self.requests).T
         return [c for c in self.collections if (generation is None or c.generation == generation)
                 and bool(np.any((starts < c.start + c.duration) & (ends > c.start)))]
 

@@ -45,7 +45,7 @@ def test_load_result_percentiles_and_failures():
 
 
 def test_collections_inside_requests_are_found_by_overlap():
-    trace = Trace(requests=[(1.0, 2.0), (5.0, 6.0)], collections=[
+    trace = Trace(requests=[(0, 1.0, 2.0), (1, 5.0, 6.0)], collections=[
         Collection(0, 1.5, 0.1, 0, 0),       # inside the first request
         Collection(2, 2.5, 0.5, 0, 0),       # between requests
         Collection(2, 5.9, 0.5, 0, 0),       # starts inside the second
@@ -68,7 +68,8 @@ def test_every_request_is_answered_and_recorded(served):
     server, load, trace = served
     assert len(load.status) == 200 and load.failed == 0
     assert len(trace.requests) == 200
-    assert all(start <= end for start, end in trace.requests)
+    assert all(start <= end for _, start, end in trace.requests)
+    assert sorted(i for i, _, _ in trace.requests) == list(range(200)), "each request is known by its id"
     assert all(d >= s for s, d in zip(load.sent, load.done))
 
 
