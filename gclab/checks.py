@@ -186,7 +186,8 @@ def compare(name: str, got, expected, rel_tol: float = 1e-6, abs_tol: float = 1e
         return Comparison(name, True, f"{name}: all {len(exp_flat)} values match the reference")
     i, g, e = bad[0]
     try:
-        diff = f" (off by {abs(g - e):.6g})"
+        off = abs(g - e)
+        diff = f" (off by {off})" if isinstance(off, int) else f" (off by {off:.6g})"
     except TypeError:
         diff = ""
     return Comparison(name, False, f"{name}: {len(bad)} of {len(exp_flat)} values differ from the "

@@ -6,7 +6,7 @@ import numpy as np
 
 from .memory import MiB
 
-__all__ = ["plot_timeline", "GENERATION_COLOURS"]
+__all__ = ["plot_timeline", "plot_latency", "plot_requests", "GENERATION_COLOURS"]
 
 GENERATION_COLOURS = {0: "tab:green", 1: "tab:orange", 2: "tab:red"}
 
@@ -48,4 +48,84 @@ def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration"
     ax.set_ylim(-0.03 * top, 1.08 * top)   # a line flat at zero stays visible above the axis
     ax.set_title(title or f"Tensor memory on {meter.device}")
     ax.legend(loc="upper left", fontsize="small")
+    return ax
+
+
+# -- serving: latency per policy, and requests on a timeline ----------------------------
+def plot_latency(runs, ax=None, budget_ms=None, title="Request latency (from the scheduled send time)"):
+    """P50, P95, P99 and the maximum of each run, side by side.
+
+    `runs` maps a name (a policy) to a `gclab.serving.LoadResult`.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.5))
+    points = (50, 95, 99, 100)
+    width = 0.8 / max(1, len(runs))
+    for k, (name, load) in enumerate(runs.items()):
+        values = [load.percentiles(points)[p] for p in points]
+        bars = ax.bar(np.arange(len(points)) + (k - (len(runs) - 1) / 2) * width, values, width, label=name)
+        ax.bar_label(bars, fmt="%.1f", fontsize="x-small", padding=1)
+    if budget_ms is not None:
+        ax.axhline(budget_ms, color="black", ls="--", lw=1, label="P99 budget")
+    ax.set_xticks(range(len(points)), ["P50", "P95", "P99", "max"])
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return ax
+
+
+def _lanes(intervals):
+    """Give each (start, end) interval the lowest lane free at its start, so overlaps stack."""
+    lane_ends, lanes = [], []
+    for start, end in intervals:
+        for lane, free_at in enumerate(lane_ends):
+            if free_at <= start:
+                lane_ends[lane] = end
+                lanes.append(lane)
+                break
+        else:
+            lane_ends.append(end)
+            lanes.append(len(lane_ends) - 1)
+    return lanes
+
+
+def plot_requests(trace, load=None, ax=None, window=None, title="Requests and collections"):
+    """Each request as a bar from when it was due to be sent to when the server finished it
+    (the waiting part pale), stacked so that requests in flight together sit one above the
+    other; each collection as a band across all of them, coloured by generation.
+
+    `trace` is a `gclab.serving.Trace`; `load` (its `LoadResult`) adds the waiting part;
+    `window` = (start, end) in seconds from the first request limits the view.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.5))
+    if not trace.requests:
+        ax.set_title(title + " (no requests)")
+        return ax
+    due = dict(enumerate(load.scheduled)) if load is not None else {}     # request i was due at scheduled[i]
+    rows = sorted((due.get(rid, start), start, end) for rid, start, end in trace.requests)
+    origin = rows[0][0]
+    lo, hi = window if window else (0.0, max(end for _, _, end in rows) - origin)
+    shown = [(d - origin, s - origin, e - origin) for d, s, e in rows if e - origin >= lo and d - origin <= hi]
+    lanes = _lanes([(d, e) for d, _, e in shown])
+    for (d, s, e), lane in zip(shown, lanes):
+        if s > d:
+            ax.plot([d * 1e3, s * 1e3], [lane, lane], color="tab:blue", alpha=0.3, lw=3, solid_capstyle="butt")
+        ax.plot([s * 1e3, e * 1e3], [lane, lane], color="tab:blue", lw=3, solid_capstyle="butt")
+    drawn = set()
+    for c in trace.collections:
+        start = c.start - origin
+        if start + c.duration < lo or start > hi:
+            continue
+        gen = min(c.generation, 2)
+        ax.axvspan(start * 1e3, (start + max(c.duration, 2e-4)) * 1e3, color=GENERATION_COLOURS[gen],
+                   alpha=0.35, label=None if gen in drawn else f"gen {gen} collection")
+        drawn.add(gen)
+    ax.set_xlim(lo * 1e3, hi * 1e3)
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("requests in flight")
+    ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_title(title)
+    if drawn:
+        ax.legend(loc="upper right", fontsize="small")
     return ax

@@ -235,6 +235,11 @@ def test_compare_mismatch_says_where_what_and_by_how_much():
     assert "2 of 4 values differ" in result.text
 
 
+def test_compare_mismatch_of_byte_counts_is_exact():
+    result = compare("bytes", [1_048_576 + 336_896], [1_048_576], rel_tol=0, abs_tol=0)
+    assert "off by 336896)" in result.text
+
+
 def test_compare_mismatch_of_non_numbers_has_no_difference():
     result = compare("labels", ["a", "b"], ["a", "c"])
     assert not result.ok
