@@ -1,14 +1,14 @@
 """Lesson 03 end to end: the solution runs clean, and grading accepts only a real fix."""
 import json
 import re
-from pathlib import Path
 
 import nbformat
 import pytest
 
+from lesson_support import ROOT, draws_a_plot, grade_all, printed_text, problems, student_variant, write_variants
+
 from gclab import grading
 
-ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "solutions" / "03_node_leak" / "03_node_leak.ipynb"
 RELEASE = ROOT / "notebooks" / "03_node_leak" / "03_node_leak.ipynb"
 
@@ -61,46 +61,27 @@ WRONG = {
 }
 
 
-def _answer_index(nb):
-    return next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("solution"))
-
-
-def _student_variant(source: str) -> nbformat.NotebookNode:
-    """The released notebook with its answer cell filled in and the (unlocked) demo cells deleted,
-    as a student may do; the graded cells are all still there."""
-    nb = nbformat.read(RELEASE, 4)
-    nb.cells[_answer_index(nb)].source = source
-    nb.cells = [c for c in nb.cells if c.cell_type == "markdown" or "nbgrader" in c.metadata]
-    return nb
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE}
-    for name, source in WRONG.items():
-        paths[name] = folder / f"{name}-03_node_leak.ipynb"
-        nbformat.write(_student_variant(source), paths[name])
-    edited = _student_variant(LEAKY.format(extra=""))
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
+    edited = student_variant(RELEASE, LEAKY.format(extra=""))
     for cell in edited.cells:   # edit the locked test cells: the grader must restore them
         if cell.metadata.get("nbgrader", {}).get("grade"):
             cell.source = "pass"
     paths["edits_locked_cells"] = folder / "edits_locked_cells-03_node_leak.ipynb"
     nbformat.write(edited, paths["edits_locked_cells"])
-    names = list(paths)
-    results = grading.grade([paths[n] for n in names], root=ROOT, jobs=2, keep_executed=folder / "graded")
-    return dict(zip(names, results))
+    return grade_all(paths, folder)
 
 
 def test_solution_notebook_runs_clean_on_cpu(graded):
     """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
-    nb = nbformat.read(graded["solution"].executed, 4)
-    problems = [(i, o.get("ename") or o.get("text", "")[:200]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
-                for o in c.outputs if o.output_type == "error" or (o.output_type == "stream" and o.name == "stderr")]
-    assert not problems, f"errors or stderr output in the solution notebook: {problems}"
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    executed = graded["solution"].executed
+    assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
+    text = printed_text(executed)
     assert "Out of memory at step" in text, "the lesson's leak should hit the device budget"
     assert re.search(r"peak 512\.00 KiB, 0 collections", text), "the fixed step should stay flat with no collection"
+    assert draws_a_plot(executed)
 
 
 def test_solution_earns_full_marks(graded):

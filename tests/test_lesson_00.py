@@ -1,0 +1,217 @@
+"""Lesson 00 end to end: the solution runs clean, and grading accepts only accounting and
+verdicts that come from the meter."""
+import re
+
+import pytest
+from lesson_support import ROOT, cell_result, draws_a_plot, grade_all, printed_text, problems, write_variants
+
+from gclab import grading
+
+SOLUTION = ROOT / "solutions" / "00_measuring_memory" / "00_measuring_memory.ipynb"
+RELEASE = ROOT / "notebooks" / "00_measuring_memory" / "00_measuring_memory.ipynb"
+MAX_SCORE = 8
+
+# -- answers for exercise 1 (storage_bytes, account) ---------------------------------------
+STORAGE_RIGHT = '''
+def storage_bytes(tensors):
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+'''
+STORAGE_NUMEL = '''
+def storage_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+'''
+STORAGE_NOT_DEDUPLICATED = '''
+def storage_bytes(tensors):
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+'''
+STORAGE_BY_TENSOR_ADDRESS = '''
+def storage_bytes(tensors):
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values())
+'''
+ACCOUNT_RIGHT = '''
+def account(workload, device=DEVICE):
+    with Meter(device) as meter:
+        before = meter.allocated()
+        result = workload()
+        readings = {"before": before, "after": meter.allocated(), "peak": meter.peak(),
+                    "reserved": meter.reserved()}
+        del result
+    return readings
+'''
+ACCOUNT_CUDA_COUNTERS = '''
+def account(workload, device=DEVICE):
+    before = torch.cuda.memory_allocated()
+    result = workload()
+    readings = {"before": before, "after": torch.cuda.memory_allocated(),
+                "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    del result
+    return readings
+'''
+ACCOUNT_RESULT_DROPPED = '''
+def account(workload, device=DEVICE):
+    with Meter(device) as meter:
+        before = meter.allocated()
+        workload()
+        return {"before": before, "after": meter.allocated(), "peak": meter.peak(),
+                "reserved": meter.reserved()}
+'''
+ACCOUNT_NO_PEAK = '''
+def account(workload, device=DEVICE):
+    with Meter(device) as meter:
+        before = meter.allocated()
+        result = workload()
+        after = meter.allocated()
+        del result
+    return {"before": before, "after": after, "peak": after, "reserved": after}
+'''
+
+# -- answers for exercise 2 (measure_release, verdicts) ------------------------------------
+MEASURE_RIGHT = '''
+def measure_release(make_tensor, device=DEVICE):
+    with gc_disabled(), Meter(device) as meter:
+        tensor = make_tensor()
+        alive = meter.growth()
+        torch.cuda.empty_cache()
+        alive_after_empty_cache = meter.growth()
+        del tensor
+        after_del = meter.growth()
+        torch.cuda.empty_cache()
+        last = meter.growth()
+    return {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
+            "after_del": after_del, "after_del_and_empty_cache": last}
+'''
+MEASURE_CUDA_COUNTERS = '''
+def measure_release(make_tensor, device=DEVICE):
+    tensor = make_tensor()
+    alive = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    alive_after_empty_cache = torch.cuda.memory_allocated()
+    del tensor
+    after_del = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    return {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
+            "after_del": after_del, "after_del_and_empty_cache": torch.cuda.memory_allocated()}
+'''
+MEASURE_WITHOUT_METER = '''
+def measure_release(make_tensor, device=DEVICE):
+    size = make_tensor().untyped_storage().nbytes()
+    return {"alive": size, "alive_after_empty_cache": size, "after_del": 0, "after_del_and_empty_cache": 0}
+'''
+VERDICTS_RIGHT = '''
+def verdicts(readings):
+    return {"freed_only_by_empty_cache": readings["after_del_and_empty_cache"] < readings["after_del"],
+            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
+'''
+VERDICTS_SEED = '''
+def verdicts(readings):
+    return {"freed_only_by_empty_cache": True,
+            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
+'''
+VERDICTS_LITERAL = '''
+def verdicts(readings):
+    return {"freed_only_by_empty_cache": False, "empty_cache_spares_live_tensors": True}
+'''
+VERDICTS_HELD_AFTER_DEL = '''
+def verdicts(readings):
+    return {"freed_only_by_empty_cache": readings["after_del"] > 0,
+            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
+'''
+
+# Each submission fills both answer cells: one plausible wrong answer per exercise, or two.
+SUBMISSIONS = {
+    "numel_count_and_seed_verdict": (STORAGE_NUMEL + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_SEED),
+    "reads_torch_cuda_directly": (STORAGE_NOT_DEDUPLICATED + ACCOUNT_CUDA_COUNTERS,
+                                  MEASURE_CUDA_COUNTERS + VERDICTS_RIGHT),
+    "literal_answers_without_measuring": (STORAGE_RIGHT + ACCOUNT_RESULT_DROPPED,
+                                          MEASURE_WITHOUT_METER + VERDICTS_LITERAL),
+    "tensor_addresses_and_no_peak": (STORAGE_BY_TENSOR_ADDRESS + ACCOUNT_NO_PEAK,
+                                     MEASURE_RIGHT + VERDICTS_HELD_AFTER_DEL),
+}
+
+# What each wrong answer must lose: (submission, test cell that must fail).
+WRONG_ANSWERS = {
+    "views counted as new memory (numel x element_size)": ("numel_count_and_seed_verdict", "test_storage_bytes"),
+    "seed's verdict: freed only by empty_cache()": ("numel_count_and_seed_verdict", "test_claim_verdicts"),
+    "one storage counted once per view": ("reads_torch_cuda_directly", "test_storage_bytes"),
+    "account reads torch.cuda counters (0 on CPU)": ("reads_torch_cuda_directly", "test_account"),
+    "measure_release reads torch.cuda counters (0 on CPU)": ("reads_torch_cuda_directly", "test_release_readings"),
+    "account drops the result before reading": ("literal_answers_without_measuring", "test_account"),
+    "readings computed from nbytes, not measured": ("literal_answers_without_measuring", "test_release_readings"),
+    "literal verdicts without measurement": ("literal_answers_without_measuring", "test_claim_verdicts"),
+    "storages keyed by the tensor's own address": ("tensor_addresses_and_no_peak", "test_storage_bytes"),
+    "peak not measured (after used as peak)": ("tensor_addresses_and_no_peak", "test_account"),
+    "verdict 'held after del' ignores what empty_cache() did": ("tensor_addresses_and_no_peak", "test_claim_verdicts"),
+}
+
+# Right answers inside a wrong submission still earn their points.
+EARNED = {
+    "numel_count_and_seed_verdict": {"test_account", "test_release_readings"},
+    "reads_torch_cuda_directly": {"test_claim_verdicts"},
+    "literal_answers_without_measuring": {"test_storage_bytes"},
+    "tensor_addresses_and_no_peak": {"test_release_readings"},
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    return grade_all({"solution": SOLUTION, "untouched": RELEASE,
+                      **write_variants(RELEASE, SUBMISSIONS, folder)}, folder)
+
+
+def test_solution_notebook_runs_clean_on_cpu(graded):
+    """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
+    executed = graded["solution"].executed
+    assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
+    text = printed_text(executed)
+    assert "differs" not in text, "a dtype's predicted size should match the meter"
+    assert "sum of numel x element_size: 26.00 MiB; the meter: 4.00 MiB" in text
+    assert "the 4 KiB row keeps 4.00 MiB alive" in text
+    assert "`del a; del b` freed 2.00 MiB of allocated memory at once" in text
+    assert "after `del c`: 0 B held; collections during all this: 0" in text
+    assert re.search(r"10 losses kept as floats \(\.item\(\)\) hold 0 B", text)
+    assert "this measures a no-op" in text, "on CPU the empty_cache() timing must say it times a no-op"
+    assert draws_a_plot(executed), "the lesson should draw its plot"
+
+
+def test_solution_earns_full_marks(graded):
+    result = graded["solution"]
+    assert result.max_score == MAX_SCORE
+    assert result.score == MAX_SCORE, grading.format_results([result])
+
+
+def test_untouched_student_notebook_earns_nothing(graded):
+    result = graded["untouched"]
+    assert result.score == 0 and result.max_score == MAX_SCORE, grading.format_results([result])
+    assert all(t.status == "failed" and "is not defined yet" in t.message for t in result.tests), (
+        grading.format_results([result]))
+
+
+@pytest.mark.parametrize("wrong_answer", sorted(WRONG_ANSWERS))
+def test_wrong_answer_loses_its_points_with_a_reason(graded, wrong_answer):
+    submission, test_id = WRONG_ANSWERS[wrong_answer]
+    result = graded[submission]
+    failed = cell_result(result, test_id)
+    assert failed.score == 0 and failed.status == "failed", grading.format_results([result])
+    assert failed.message, "a lost point needs a reason"
+
+
+@pytest.mark.parametrize("submission", sorted(SUBMISSIONS))
+def test_wrong_submission_earns_less_than_full_marks(graded, submission):
+    result = graded[submission]
+    assert result.max_score == MAX_SCORE
+    assert result.score < MAX_SCORE, grading.format_results([result])
+    passed = {t.id for t in result.tests if t.status == "passed"}
+    assert passed == EARNED[submission], grading.format_results([result])
+
+
+def test_wrong_answers_are_told_by_how_much(graded):
+    numel = cell_result(graded["numel_count_and_seed_verdict"], "test_storage_bytes").message
+    assert "649" in numel or "664576" in numel, numel          # the naive count of the example tensors
+    assert "off by" in numel
+    cuda = cell_result(graded["reads_torch_cuda_directly"], "test_account").message
+    assert "after - before" in cuda and "got 0" in cuda, cuda
+    literal = cell_result(graded["literal_answers_without_measuring"], "test_release_readings").message
+    assert "_still_referenced" in literal, literal
