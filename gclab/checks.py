@@ -18,7 +18,8 @@ from .gcwatch import Collection, GCWatch
 from .memory import Meter, format_bytes
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
-           "assert_matches", "integrity_problems", "assert_untampered"]
+           "assert_matches", "integrity_problems", "assert_untampered", "PolicyReport",
+           "run_policy_check", "assert_policy"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
 # notebook's locked set-up cell imports it before any student code runs).
@@ -199,6 +200,128 @@ def assert_matches(name: str, got, expected, **tolerances) -> None:
     assert result.ok, result.text
 
 
+
+
+# -- a GC policy for a server: latency budget, no full collection in a request, bounded garbage
+@dataclass
+class PolicyRun:
+    name: str
+    load: object            # gclab.serving.LoadResult
+    trace: object           # gclab.serving.Trace
+
+    @property
+    def p99(self) -> float:
+        return self.load.percentiles((99,))[99]
+
+
+@dataclass
+class PolicyReport:
+    """The same open-loop load against the same server, run with the policy under test, with
+    the default collector and with the collector off, one after another in the same run."""
+    runs: dict
+    p99_ratio_budget: float
+    garbage_fraction: float
+    oldest_generation: int = 2
+
+    @property
+    def policy(self) -> PolicyRun:
+        return self.runs["your policy"]
+
+    @property
+    def baseline(self) -> PolicyRun:
+        return self.runs["collector off"]
+
+    @property
+    def p99_ratio(self) -> float:
+        return self.policy.p99 / max(self.baseline.p99, 1e-9)
+
+    @property
+    def full_collections_inside(self) -> list:
+        return self.policy.trace.collections_inside_requests(self.oldest_generation)
+
+    @property
+    def garbage_bound(self) -> int:
+        return int(self.garbage_fraction * len(self.policy.load.status))
+
+    @property
+    def failures(self) -> list:
+        run = self.policy
+        problems = [f"{run.load.failed} request(s) got no answer or an error"] if run.load.failed else []
+        return problems + list(run.trace.errors)
+
+    @property
+    def checks(self) -> dict:
+        return {
+            "answers": not self.failures,
+            "p99": self.p99_ratio <= self.p99_ratio_budget,
+            "no full collection inside a request": not self.full_collections_inside,
+            "garbage bounded": self.policy.trace.garbage.get("uncollected", 0) <= self.garbage_bound,
+        }
+
+    @property
+    def ok(self) -> bool:
+        return all(self.checks.values())
+
+    def explain(self) -> str:
+        run, checks = self.policy, self.checks
+        p99s = ", ".join(f"{name} {r.p99:.1f} ms" for name, r in self.runs.items())
+        lines = [f"P99 latency: {p99s}; yours is {self.p99_ratio:.2f}x the collector-off baseline "
+                 f"(budget {self.p99_ratio_budget:g}x): " + ("within budget." if checks["p99"] else "over budget.")]
+        inside = self.full_collections_inside
+        if inside:
+            worst = max(c.duration for c in inside)
+            lines.append(f"{len(inside)} full (generation {self.oldest_generation}) collection(s) ran while requests "
+                         f"were in flight, the longest {worst * 1e3:.1f} ms: every request in flight waited for it. "
+                         "Run full collections only when no request is in flight.")
+        else:
+            lines.append("No full collection ran inside a request.")
+        garbage = run.trace.garbage.get("uncollected", 0)
+        if checks["garbage bounded"]:
+            lines.append(f"Cyclic garbage left at the end: {garbage} responses' worth (bound {self.garbage_bound}).")
+        else:
+            lines.append(f"Cyclic garbage left at the end: {garbage} responses' worth, over the bound of "
+                         f"{self.garbage_bound}: the cycles the server makes are never (or too rarely) collected, "
+                         "so its memory grows without bound. Switching the collector off is not a fix.")
+        if self.failures:
+            lines.append("Errors: " + "; ".join(self.failures[:5]))
+        return "\n".join(lines)
+
+
+def run_policy_check(policy, rate: float = 250.0, duration: float = 6.0, heap_objects: int = 500_000,
+                     p99_ratio_budget: float = 3.0, garbage_fraction: float = 0.1, settle: float = 0.5,
+                     device=None, poisson_seed: int = 0, include_default: bool = True) -> PolicyReport:
+    """Serve the same load with `policy` (a policy file), with the default collector and with the
+    collector off, and judge the policy against the baseline measured in this same run.
+
+    The policy passes when its P99 is at most `p99_ratio_budget` times the collector-off P99, no
+    full collection ran while a request was in flight, and at the end (after `settle` idle
+    seconds) the cyclic garbage still alive is at most `garbage_fraction` of the requests served.
+    """
+    import os
+    import tempfile
+
+    from .serving import ModelServer, run_load
+
+    with tempfile.TemporaryDirectory(prefix="gclab-policy-") as folder:
+        off = os.path.join(folder, "collector_off.py")
+        with open(off, "w") as f:
+            f.write("import gc\n\ndef on_startup():\n    gc.disable()\n")
+        configs = {"your policy": policy, "collector off": off}
+        if include_default:
+            configs["default"] = None
+        runs = {}
+        for name, path in configs.items():
+            with ModelServer(heap_objects=heap_objects, attribution=True, policy=path, device=device) as server:
+                load = run_load(server.url, rate=rate, duration=duration, seed=poisson_seed)
+                time.sleep(settle)
+                runs[name] = PolicyRun(name, load, server.trace())
+    return PolicyReport(runs, p99_ratio_budget, garbage_fraction)
+
+
+def assert_policy(report: PolicyReport) -> None:
+    assert report.ok, report.explain()
+
+
 _OWN.update({name: globals()[name] for name in
              ("run_flat_check", "assert_flat", "compare", "assert_matches", "integrity_problems",
-              "assert_untampered")})
+              "assert_untampered", "run_policy_check", "assert_policy")})

@@ -401,7 +401,7 @@ class ModelServer:
     """Start the model server in its own process; always stopped on exit, error or interrupt."""
 
     def __init__(self, heap_objects: int = 400_000, attribution: bool = True, policy=None,
-                 device=None, cache_size: int = 1000, idle_after: float = 0.01, startup_timeout: float = 120):
+                 device=None, cache_size: int = 200, idle_after: float = 0.01, startup_timeout: float = 120):
         from .memory import default_device
         self.options = dict(heap_objects=heap_objects, attribution=attribution,
                             policy=str(Path(policy).resolve()) if policy else None,
@@ -487,7 +487,7 @@ def main(argv=None) -> int:
     s.add_argument("--attribution", action="store_true")
     s.add_argument("--policy")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--cache-size", type=int, default=1000)
+    s.add_argument("--cache-size", type=int, default=200)
     s.add_argument("--idle-after", type=float, default=0.01)
     c = sub.add_parser("load")
     c.add_argument("url")

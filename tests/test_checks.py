@@ -300,3 +300,50 @@ def test_integrity_problems_names_several_replacements(monkeypatch):
     monkeypatch.setattr(gc, "disable", lambda: None)
     monkeypatch.setattr(torch, "OutOfMemoryError", RuntimeError)
     assert set(integrity_problems()) == {"gc.disable", "torch.OutOfMemoryError"}
+
+
+# -- run_policy_check's verdict, on recorded runs -------------------------------------------
+from gclab.gcwatch import Collection  # noqa: E402
+def _policy_report(p99_ms, off_p99_ms=10.0, collections=(), uncollected=0, failed=0, requests=100):
+    from gclab.checks import PolicyReport, PolicyRun
+    from gclab.serving import LoadResult, Trace
+
+    def run(name, p99):
+        done = [i + p99 / 1e3 for i in range(requests)]
+        load = LoadResult(scheduled=list(range(requests)), sent=list(range(requests)), done=done,
+                          status=[200] * (requests - failed) + [0] * failed)
+        trace = Trace(requests=[(i, i + 0.0001, i + p99 / 1e3) for i in range(requests)],
+                      collections=list(collections) if name == "your policy" else [],
+                      garbage={"uncollected": uncollected if name == "your policy" else 0})
+        return PolicyRun(name, load, trace)
+    runs = {"your policy": run("your policy", p99_ms), "collector off": run("collector off", off_p99_ms)}
+    return PolicyReport(runs, p99_ratio_budget=3.0, garbage_fraction=0.1)
+
+
+def test_policy_within_budget_with_no_full_collection_inside_passes():
+    report = _policy_report(p99_ms=15.0, collections=[Collection(2, 50.5, 0.01, 0, 0), Collection(0, 3.001, 1e-4, 0, 0)])
+    assert report.ok, report.explain()
+    assert "1.50x" in report.explain()
+
+
+def test_policy_over_the_p99_budget_fails_and_says_by_how_much():
+    report = _policy_report(p99_ms=45.0)
+    assert not report.ok
+    assert "4.50x the collector-off baseline (budget 3x): over budget" in report.explain()
+
+
+def test_full_collection_inside_a_request_fails():
+    report = _policy_report(p99_ms=12.0, collections=[Collection(2, 7.002, 0.03, 0, 0)])
+    assert not report.ok and report.checks["p99"]
+    assert "1 full (generation 2) collection(s) ran while requests were in flight, the longest 30.0 ms" in report.explain()
+
+
+def test_garbage_over_the_bound_fails():
+    report = _policy_report(p99_ms=9.0, uncollected=11)
+    assert not report.ok and not report.checks["garbage bounded"]
+    assert "11 responses' worth, over the bound of 10" in report.explain()
+
+
+def test_failed_requests_fail_the_policy():
+    report = _policy_report(p99_ms=9.0, failed=1)
+    assert not report.ok and "1 request(s) got no answer" in report.explain()
