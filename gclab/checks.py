@@ -247,6 +247,9 @@ class PolicyReport:
     def failures(self) -> list:
         run = self.policy
         problems = [f"{run.load.failed} request(s) got no answer or an error"] if run.load.failed else []
+        if not run.trace.info.get("recording_intact", True):
+            problems.append("the server's record of collections was tampered with (its gc.callbacks hook "
+                            "was removed, or it missed collections CPython counted)")
         return problems + list(run.trace.errors)
 
     @property
@@ -311,7 +314,7 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 6.0, heap_ob
             configs["default"] = None
         runs = {}
         for name, path in configs.items():
-            with ModelServer(heap_objects=heap_objects, attribution=True, policy=path, device=device) as server:
+            with ModelServer(heap_objects=heap_objects, attribution="objects", policy=path, device=device) as server:
                 load = run_load(server.url, rate=rate, duration=duration, seed=poisson_seed)
                 time.sleep(settle)
                 runs[name] = PolicyRun(name, load, server.trace())

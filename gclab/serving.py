@@ -1,6 +1,6 @@
 """A small model server and an open-loop load generator, to watch collector pauses hit requests.
 
-    with ModelServer(heap_objects=400_000, attribution=True, policy="my_policy.py") as server:
+    with ModelServer(heap_objects=400_000, attribution="objects", policy="my_policy.py") as server:
         load = run_load(server.url, rate=200, duration=4.0)
         trace = server.trace()
     load.percentiles()               # latency in ms at P50, P95, P99 and the maximum
@@ -8,7 +8,8 @@
 
 The server is an ASGI app (Starlette) under uvicorn, in a process of its own on
 127.0.0.1.  It serves a small torch model, optionally with "attribution" post-processing
-that builds many small Python objects with back-references per request, and it keeps a
+that builds many small Python objects with back-references per request ("objects"), or
+the same scores as one tensor ("compact"), and it keeps a
 long-lived heap (vocabulary, metadata, a response cache) the collector has to walk.  It
 records, on the shared `time.perf_counter()` clock (CLOCK_MONOTONIC on Linux), when each
 request started and ended and every collection (`gclab.gcwatch`), and hands them back on
@@ -43,12 +44,14 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .gcwatch import Collection, GCWatch
+from .gcwatch import Collection, GCWatch, gc_disabled
 
 __all__ = ["ModelServer", "LoadResult", "Trace", "run_load", "schedule"]
 
 READY = "gclab-serving ready on port"
 HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
+# per-token attribution scores: none, as linked Python objects, or as one tensor per response
+ATTRIBUTION = ("off", "objects", "compact")
 
 
 # -- what the server serves ------------------------------------------------------------
@@ -98,16 +101,21 @@ class Model:
             embedded = self.embedding[torch.tensor(tokens, device=self.device)]
             logits = self.head(torch.relu(self.hidden(embedded.mean(0))))
             contributions = embedded @ self.head.weight.T       # per token, per class
-            return int(logits.argmax()), contributions.tolist()
+            return int(logits.argmax()), contributions
 
     def explain(self, label, tokens, contributions) -> Explanation:
+        """Attribution as Python objects: a few container objects per token, each linked back."""
         explanation = Explanation(label)
-        for token, by_class in zip(tokens, contributions):
+        for token, by_class in zip(tokens, contributions.tolist()):
             explanation.tokens.append(TokenScore(explanation, token, by_class[label], by_class))
         total = sum(abs(t.score) for t in explanation.tokens) or 1.0
         for rank, scored in enumerate(sorted(explanation.tokens, key=lambda t: t.score, reverse=True)):
             scored.detail["rank"], scored.detail["share"] = rank, abs(scored.score) / total
         return explanation
+
+    def explain_compact(self, label, contributions):
+        """The same scores as one tensor: no per-token Python objects, no back-references."""
+        return label, contributions[:, label].clone()
 
 
 class ResponseCache:
@@ -147,17 +155,23 @@ class ServerState:
         self.errors: list[str] = []
         self.explanations = weakref.WeakSet()
         self.watch = GCWatch()
+        self.stats_at_reset = _collections_so_far()
 
     def answer(self, seed: int) -> dict:
         tokens = self.model.tokens(seed)
         label, contributions = self.model.predict(tokens)
         body = {"label": label}
-        if self.attribution:
+        if self.attribution == "objects":
             explanation = self.model.explain(label, tokens, contributions)
             self.explanations.add(explanation)
             self.cache.put(seed, explanation)
             top = sorted(explanation.tokens, key=lambda t: t.score, reverse=True)[:5]
             body["top_tokens"] = [[t.token, round(t.score, 4)] for t in top]
+        elif self.attribution == "compact":
+            label, scores = self.model.explain_compact(label, contributions)
+            self.cache.put(seed, (label, scores))
+            top = scores.topk(5)
+            body["top_tokens"] = [[tokens[i], round(v, 4)] for i, v in zip(top.indices.tolist(), top.values.tolist())]
         return body
 
     def garbage(self) -> dict:
@@ -174,11 +188,26 @@ class ServerState:
             "garbage": self.garbage(), "gc_enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
             "frozen": gc.get_freeze_count(), "count": list(gc.get_count()),
             "python": sys.version.split()[0],
+            "recording_intact": self.recording_intact(),
         }
 
+    def recording_intact(self) -> bool:
+        """Is the watch still hooked in, and did it see every collection CPython counted?"""
+        with gc_disabled():             # no collection may slip in between the two counts
+            counted = [now - then for now, then in zip(_collections_so_far(), self.stats_at_reset)]
+            seen = [self.watch.count(g) for g in range(len(counted))]
+        return self.watch._on_gc in gc.callbacks and counted == seen
+
     def reset(self):
-        self.requests, self.idle_calls, self.errors = [], [], []
-        self.watch.collections = []
+        with gc_disabled():
+            self.requests, self.idle_calls, self.errors = [], [], []
+            self.watch.collections = []
+            self.stats_at_reset = _collections_so_far()
+
+
+def _collections_so_far() -> list[int]:
+    """CPython's own count of collections per generation (independent of gc.callbacks)."""
+    return [generation["collections"] for generation in gc.get_stats()]
 
 
 def _request_id(query: bytes) -> int:
@@ -253,7 +282,7 @@ async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: 
             called_since_last = True
 
 
-def serve(heap_objects: int, attribution: bool, policy: str | None, device: str,
+def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
           cache_size: int, idle_after: float) -> None:
     import socket
 
@@ -284,6 +313,7 @@ def serve(heap_objects: int, attribution: bool, policy: str | None, device: str,
         watcher = asyncio.ensure_future(_watch_idle_and_parent(state, idle_after, parent))
         print(f"{READY} {sock.getsockname()[1]}", flush=True)
         with state.watch:
+            state.reset()
             await server.serve(sockets=[sock])
         watcher.cancel()
     asyncio.run(main())
@@ -377,7 +407,7 @@ class Trace:
     @classmethod
     def from_json(cls, data: dict) -> "Trace":
         collections = [Collection(int(g), s, d, int(c), int(u)) for g, s, d, c, u in data["collections"]]
-        info = {k: data[k] for k in ("gc_enabled", "threshold", "frozen", "count", "python")}
+        info = {k: data[k] for k in ("gc_enabled", "threshold", "frozen", "count", "python", "recording_intact")}
         return cls([tuple(r) for r in data["requests"]], collections, [tuple(c) for c in data["idle_calls"]],
                    data["garbage"], info, data["errors"])
 
@@ -400,9 +430,11 @@ def _kill(proc):
 class ModelServer:
     """Start the model server in its own process; always stopped on exit, error or interrupt."""
 
-    def __init__(self, heap_objects: int = 400_000, attribution: bool = True, policy=None,
+    def __init__(self, heap_objects: int = 400_000, attribution="objects", policy=None,
                  device=None, cache_size: int = 200, idle_after: float = 0.01, startup_timeout: float = 120):
         from .memory import default_device
+        if attribution not in ATTRIBUTION:
+            raise ValueError(f"attribution must be one of {', '.join(ATTRIBUTION)}, not {attribution!r}")
         self.options = dict(heap_objects=heap_objects, attribution=attribution,
                             policy=str(Path(policy).resolve()) if policy else None,
                             device=str(device or default_device()), cache_size=cache_size, idle_after=idle_after)
@@ -418,7 +450,7 @@ class ModelServer:
         o = self.options
         cmd = [sys.executable, "-m", "gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
                "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"])]
-        cmd += ["--attribution"] if o["attribution"] else []
+        cmd += ["--attribution", o["attribution"]]
         cmd += ["--policy", o["policy"]] if o["policy"] else []
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
@@ -484,7 +516,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--heap-objects", type=int, default=400_000)
-    s.add_argument("--attribution", action="store_true")
+    s.add_argument("--attribution", choices=ATTRIBUTION, default="off")
     s.add_argument("--policy")
     s.add_argument("--device", default="cpu")
     s.add_argument("--cache-size", type=int, default=200)

@@ -58,7 +58,7 @@ def test_collections_inside_requests_are_found_by_overlap():
 
 @pytest.fixture(scope="module")
 def served():
-    with ModelServer(heap_objects=20_000, attribution=True, cache_size=50) as server:
+    with ModelServer(heap_objects=20_000, attribution="objects", cache_size=50) as server:
         load = run_load(server.url, rate=200, duration=1.0)
         trace = server.trace()
     return server, load, trace
@@ -144,3 +144,43 @@ def test_trace_reset_starts_a_fresh_record():
         run_load(server.url, rate=100, duration=0.2)
         assert len(server.trace(reset=True).requests) == 20
         assert server.trace().requests == []
+
+
+def test_recording_is_intact_on_a_plain_run(served):
+    _, _, trace = served
+    assert trace.info["recording_intact"]
+
+
+def test_a_policy_that_unhooks_the_recording_is_caught(tmp_path):
+    policy = _policy(tmp_path, "import gc\n"
+                               "def before_request(in_flight):\n    gc.callbacks.clear()\n    gc.collect(0)\n")
+    with ModelServer(heap_objects=1000, policy=policy) as server:
+        run_load(server.url, rate=100, duration=0.2)
+        trace = server.trace()
+    assert not trace.info["recording_intact"]
+
+
+def _answer(server, seed):
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"{server.url}/predict?seed={seed}", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def test_compact_attribution_answers_the_same_without_garbage():
+    with ModelServer(heap_objects=1000, attribution="objects") as server:
+        expected = [_answer(server, seed) for seed in (3, 4)]
+    with ModelServer(heap_objects=1000, attribution="compact", cache_size=10) as server:
+        got = [_answer(server, seed) for seed in (3, 4)]
+        run_load(server.url, rate=100, duration=0.5)
+        trace = server.trace()
+    assert [g["label"] for g in got] == [e["label"] for e in expected]
+    for g, e in zip(got, expected):
+        assert [t for t, _ in g["top_tokens"]] == [t for t, _ in e["top_tokens"]]
+        assert [s for _, s in g["top_tokens"]] == pytest.approx([s for _, s in e["top_tokens"]], abs=1e-3)
+    assert trace.garbage["explanations_alive"] == 0
+
+
+def test_unknown_attribution_is_refused():
+    with pytest.raises(ValueError, match="attribution must be one of off, objects, compact"):
+        ModelServer(attribution="yes")
