@@ -103,7 +103,7 @@ def release(root: Path) -> list[Path]:
 
 # -- a submission's tampering with the grader ---------------------------------------
 _GUARDED = {"gc", "gclab", "torch", "sys", "builtins", "time", "weakref", "nbgrader", "importlib"}
-_SETTINGS = ("torch.backends.",)   # switches ordinary training code sets; not the grader's tools
+_SETTINGS = ("torch.backends.", "sys.last_")   # what ordinary code sets or clears; not the grader's tools
 _MUTATORS = {"append", "clear", "remove", "pop", "extend", "insert", "__setitem__", "__delitem__"}
 
 

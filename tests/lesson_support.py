@@ -14,14 +14,19 @@ def is_answer(cell) -> bool:
 
 
 def student_variant(release: Path, answers) -> nbformat.NotebookNode:
-    """The released notebook with its answer cells filled in (`answers`: one source, or one per
-    answer cell in order) and the unlocked demo cells deleted, as a student may do; the graded
-    cells are all still there."""
+    """The released notebook with its answer cells filled in and the unlocked demo cells
+    deleted, as a student may do; the graded cells are all still there.  `answers` is one
+    source, a list of sources (one per answer cell, in order), or a dict keyed by the answer
+    cells' grade_id with or without its "answer_" prefix."""
     nb = nbformat.read(release, 4)
-    sources = iter([answers] if isinstance(answers, str) else answers)
+    sources = iter([answers] if isinstance(answers, str) else [] if isinstance(answers, dict) else answers)
     for cell in nb.cells:
         if is_answer(cell):
-            cell.source = next(sources)
+            grade_id = cell.metadata["nbgrader"]["grade_id"]
+            if isinstance(answers, dict):
+                cell.source = answers.get(grade_id, answers.get(grade_id.removeprefix("answer_")))
+            else:
+                cell.source = next(sources)
     nb.cells = [c for c in nb.cells if c.cell_type == "markdown" or "nbgrader" in c.metadata]
     return nb
 
@@ -48,10 +53,16 @@ def code_outputs(path):
     return [(i, o) for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.outputs]
 
 
-def problems(path) -> list:
-    """Errors and stderr output in a notebook's cells, as (cell index, what)."""
+def problems(path, expected_error=None) -> list:
+    """Errors and stderr output in a notebook's cells, as (cell index, what); an error whose
+    message contains `expected_error` is one the lesson shows on purpose."""
     return [(i, o.get("ename") or o.get("text", "")[:200]) for i, o in code_outputs(path)
-            if o.output_type == "error" or (o.output_type == "stream" and o.name == "stderr")]
+            if (o.output_type == "error" and not (expected_error and expected_error in o.get("evalue", "")))
+            or (o.output_type == "stream" and o.name == "stderr")]
+
+
+def shows_error(path, message) -> bool:
+    return any(o.output_type == "error" and message in o.get("evalue", "") for _, o in code_outputs(path))
 
 
 def printed_text(path) -> str:

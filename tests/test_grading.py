@@ -107,6 +107,8 @@ def test_tampering_is_detected(source):
     "node.prev = weakref.ref(head)",
     "torch.zeros(3).add_(1)",
     "torch.backends.cudnn.benchmark = True",
+    "sys.last_traceback = None",
+    "del sys.last_value",
     "def f(:\n",
 ])
 def test_ordinary_code_is_not_flagged(source):

@@ -1,0 +1,154 @@
+"""Lesson 01 end to end: the solution runs clean, and grading accepts only a real fix."""
+import re
+
+import pytest
+from lesson_support import ROOT, grade_all, printed_text, problems, shows_error, write_variants
+
+from gclab import grading
+
+SOLUTION = ROOT / "solutions" / "01_reference_counting" / "01_reference_counting.ipynb"
+RELEASE = ROOT / "notebooks" / "01_reference_counting" / "01_reference_counting.ipynb"
+EXERCISES = {"jobs": ("test_job_reports", "test_job_memory_flat"),
+             "scaler": ("test_scaler_results", "test_scaler_memory_flat")}
+
+RUN_JOB = '''
+def run_job(i, device=DEVICE):
+    try:
+        return {{"job": i, "ok": True, "value": train_step(i, device), "error": None}}
+    except FloatingPointError as e:
+        {handle}
+        return {{"job": i, "ok": False, "value": None, "error": {error}}}
+'''
+
+MAKE_SCALER = '''
+def make_scaler(i, device=DEVICE):
+    batch = fitting_batch(i, device)
+    {prepare}
+    def scale(x):
+        return {formula}
+    {after}
+    return scale
+'''
+
+
+def _scaler(prepare="pass", formula="(x - batch.mean()) / batch.std()", after="pass"):
+    return MAKE_SCALER.format(prepare=prepare, formula=formula, after=after)
+
+
+# Plausible wrong fixes, two exercises' worth each: none may earn full marks on either exercise.
+WRONG = {
+    "collects_instead_of_dropping": {
+        "jobs": RUN_JOB.format(handle="gc.collect()", error="e"),
+        "scaler": _scaler(after="gc.collect()"),           # no default list any more, the closure still holds the batch
+    },
+    "empty_cache_and_del_the_captured_name": {
+        "jobs": RUN_JOB.format(handle="if torch.cuda.is_available(): torch.cuda.empty_cache()", error="e"),
+        "scaler": _scaler(after="del batch"),               # frees the batch and breaks the scaler
+    },
+    "drops_what_the_caller_needs": {
+        "jobs": RUN_JOB.format(handle="pass", error="str(e)"),      # the report loses the exception
+        "scaler": _scaler(prepare="batch = weakref.ref(batch)",    # the batch dies at return, too early
+                          formula="(x - batch().mean()) / batch().std()"),
+    },
+    "deletes_the_wrong_reference": {
+        "jobs": RUN_JOB.format(handle="err = e\n        del e", error="err"),
+        "scaler": _scaler(prepare="mean, std = batch.mean(), batch.std()",   # small tensors are still tensors
+                          formula="(x - mean) / std"),
+    },
+    "patches_the_grader": {
+        "jobs": RUN_JOB.format(handle="pass", error="e") + "\nchecks.assert_flat = lambda report: None\n",
+        "scaler": _scaler(),
+    },
+}
+
+
+# A right fix for one exercise only: the points follow each exercise on its own.
+ONE_RIGHT = {
+    "jobs": RUN_JOB.format(handle="pass", error="e.with_traceback(None)"),
+    "scaler": _scaler(),                                    # no default list, but the closure keeps the batch
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    variants = {**WRONG, "one_exercise_right": ONE_RIGHT}
+    results = grade_all({"solution": SOLUTION, "untouched": RELEASE,
+                         **write_variants(RELEASE, variants, folder)}, folder)
+    print(grading.format_results(list(results.values())))      # shown with `pytest -s`
+    return results
+
+
+def _score(result, exercise):
+    tests = {t.id: t for t in result.tests}
+    return sum(tests[i].score for i in EXERCISES[exercise]), sum(tests[i].max_score for i in EXERCISES[exercise])
+
+
+def _message(result, test_id):
+    return next(t.message for t in result.tests if t.id == test_id)
+
+
+def test_solution_notebook_runs_clean_on_cpu(graded):
+    """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr,
+    except the failed cell that section 3.3 runs on purpose."""
+    executed = graded["solution"].executed
+    unexpected = problems(executed, expected_error="step failed holding")
+    assert not unexpected, f"errors or stderr output in the solution notebook: {unexpected}"
+    assert shows_error(executed, "step failed holding"), "section 3.3 should show the failed cell's error"
+    text = printed_text(executed)
+    assert "collections while this ran: 0" in text
+    assert re.search(r"box\.clear\(\)\s+0 B", text), "the tensor should be freed when the list lets go"
+    assert re.search(r"del y\s+1\.00 MiB", text), "del of a name should not free a tensor the list holds"
+    assert re.search(r"Out\[\d+\]", text), "the output cache should be named as a holder"
+    assert "saved.__traceback__.tb_next.tb_frame" in text, "the saved exception's path should be shown"
+    assert "after `saved.__traceback__ = None`: 0 B held" in text
+    assert "now held: 0 B; collections: 0" in text, "forget_last_error should free the failed call's tensor"
+    assert "rescale.__closure__[0].cell_contents" in text and "remember.__defaults__[0][0]" in text
+    assert "after emptying the default list and deleting `rescale`: 0 B held" in text
+    assert "(the loss is gone)" in text, "%xdel should drop every cached reference"
+
+
+def test_solution_earns_full_marks(graded):
+    result = graded["solution"]
+    assert result.max_score == 10
+    assert result.score == result.max_score, grading.format_results([result])
+
+
+def test_untouched_student_notebook_earns_nothing(graded):
+    result = graded["untouched"]
+    assert result.score == 0 and result.max_score == 10, grading.format_results([result])
+    for exercise, name in (("jobs", "run_job"), ("scaler", "make_scaler")):
+        for test_id in EXERCISES[exercise]:
+            assert f"{name} is not defined yet" in _message(result, test_id)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+@pytest.mark.parametrize("exercise", sorted(EXERCISES))
+def test_wrong_fix_does_not_earn_full_marks(graded, name, exercise):
+    result = graded[name]
+    score, max_score = _score(result, exercise)
+    assert result.max_score == 10
+    assert score < max_score, grading.format_results([result])
+    assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"
+
+
+def test_each_exercise_is_scored_on_its_own(graded):
+    result = graded["one_exercise_right"]
+    assert _score(result, "jobs") == (5, 5), grading.format_results([result])
+    assert _score(result, "scaler") == (0, 5), grading.format_results([result])
+    assert "holds 1.00 MiB" in _message(result, "test_scaler_results")
+
+
+def test_wrong_fixes_are_told_why(graded):
+    assert "collector ran" in _message(graded["collects_instead_of_dropping"], "test_job_memory_flat")
+    assert "holds" in _message(graded["collects_instead_of_dropping"], "test_scaler_results")
+    assert "did not return to its baseline" in _message(graded["empty_cache_and_del_the_captured_name"],
+                                                        "test_job_memory_flat")
+    assert "raised NameError" in _message(graded["empty_cache_and_del_the_captured_name"], "test_scaler_results")
+    assert "FloatingPointError" in _message(graded["drops_what_the_caller_needs"], "test_job_reports")
+    assert "must still work after make_scaler has returned" in _message(graded["drops_what_the_caller_needs"],
+                                                                   "test_scaler_results")
+    assert "holds" in _message(graded["deletes_the_wrong_reference"], "test_job_reports")
+    assert "did not return to its baseline" in _message(graded["deletes_the_wrong_reference"],
+                                                        "test_scaler_memory_flat")
+    assert "modifies the grader" in graded["patches_the_grader"].reason

@@ -1,0 +1,118 @@
+"""Tests for gclab.refs: readable paths to what keeps an object alive, and forgetting the last error."""
+from __future__ import annotations
+
+import gc
+import sys
+import traceback
+import types
+import weakref
+
+import pytest
+
+from gclab.refs import direct_referrers, forget_last_error, reference_paths
+
+
+class Thing:
+    """A small object that weak references can point at."""
+
+
+@pytest.fixture
+def module():
+    """A throwaway module in sys.modules, so that its globals are a root of the search."""
+    mod = types.ModuleType("refs_demo")
+    sys.modules["refs_demo"] = mod
+    yield mod
+    del sys.modules["refs_demo"]
+
+
+def _fail_holding(thing):
+    local_thing = thing
+    raise ValueError("failed")
+
+
+def test_a_module_global_and_a_list_item_are_both_named(module):
+    obj = Thing()
+    module.kept = obj
+    module.box = [1, obj]
+    paths = reference_paths(obj)
+    assert "refs_demo.kept" in paths
+    assert "refs_demo.box[1]" in paths
+
+
+def test_dict_keys_attributes_closures_and_defaults_read_as_python(module):
+    obj = Thing()
+    holder = Thing()
+    holder.payload = obj
+    module.holder = holder
+    module.table = {"weights": obj}
+
+    def make():
+        def inner():
+            return obj
+        return inner
+
+    def with_default(x=obj):
+        return x
+
+    module.inner = make()
+    module.with_default = with_default
+    paths = set(reference_paths(obj))
+    assert {"refs_demo.holder.payload", "refs_demo.table['weights']",
+            "refs_demo.inner.__closure__[0].cell_contents", "refs_demo.with_default.__defaults__[0]"} <= paths
+
+
+def test_a_stored_exception_leads_through_its_traceback_to_the_frame(module):
+    try:
+        _fail_holding(Thing())
+    except ValueError as e:
+        module.saved = e
+    frame = module.saved.__traceback__.tb_next.tb_frame
+    target = next(o for o in gc.get_referents(frame) if isinstance(o, Thing))
+    paths = reference_paths(target)
+    del frame
+    assert any(p.startswith("refs_demo.saved.__traceback__.tb_next.tb_frame") and "_fail_holding()" in p
+               for p in paths), paths
+
+
+def test_the_search_itself_leaves_no_reference_behind(module):
+    # Reading frame.f_locals on Python <= 3.12 stores a copy of the locals that
+    # traceback.clear_frames leaves alone: the search must not do that.
+    try:
+        _fail_holding(Thing())
+    except ValueError as e:
+        module.saved = e
+    frame = module.saved.__traceback__.tb_next.tb_frame
+    probe = weakref.ref(next(o for o in gc.get_referents(frame) if isinstance(o, Thing)))
+    del frame
+    assert reference_paths(probe())
+    gc.disable()            # the conftest fixture restores the collector's state
+    traceback.clear_frames(module.saved.__traceback__)
+    assert probe() is None, "the object should be freed by clearing the frames, with no collection"
+
+
+def test_an_object_only_the_caller_holds_has_no_path():
+    obj = Thing()
+    assert reference_paths(obj) == []
+
+
+def test_direct_referrers_names_the_container(module):
+    obj = Thing()
+    module.box = [obj]
+    assert "list[0]" in direct_referrers(obj)
+
+
+def test_forget_last_error_deletes_the_last_error_and_frees_its_frames():
+    try:
+        _fail_holding(Thing())
+    except ValueError as e:
+        error = e
+    probe = weakref.ref(next(o for o in gc.get_referents(error.__traceback__.tb_next.tb_frame)
+                             if isinstance(o, Thing)))
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+    del error
+    gc.disable()
+    cleared = forget_last_error()
+    assert {"sys.last_value", "sys.last_traceback", "sys.last_type"} <= set(cleared)
+    assert not hasattr(sys, "last_value") and not hasattr(sys, "last_traceback")
+    assert probe() is None, "the failed call's locals should be freed with no collection"
+    assert forget_last_error() == []
