@@ -25,7 +25,8 @@ A GC policy is a Python file the server loads; it may define any of
     on_startup()               after the heap and model are built and warmed up
     before_request(in_flight)  as a request starts (in_flight counts it)
     after_request(in_flight)   as a request ends (in_flight no longer counts it)
-    on_idle()                  when no request has been in flight for `idle_after` seconds
+    on_idle(idle_seconds)      every `idle_after` seconds while no request is in flight;
+                               idle_seconds: how long since the last request ended
 """
 from __future__ import annotations
 
@@ -151,7 +152,8 @@ class ServerState:
         self.in_flight = 0
         self.last_end = time.perf_counter()
         self.requests: list[tuple[int, float, float]] = []      # (request id, start, end)
-        self.idle_calls: list[tuple[float, float]] = []
+        self.idle_calls: list[tuple[float, float]] = []      # (start, end) of on_idle calls that took time
+        self.idle_call_count = 0
         self.errors: list[str] = []
         self.explanations = weakref.WeakSet()
         self.watch = GCWatch()
@@ -183,6 +185,7 @@ class ServerState:
     def trace(self) -> dict:
         return {
             "requests": self.requests, "idle_calls": self.idle_calls, "errors": self.errors[:20],
+            "idle_call_count": self.idle_call_count,
             "collections": [[c.generation, c.start, c.duration, c.collected, c.uncollectable]
                             for c in self.watch.collections],
             "garbage": self.garbage(), "gc_enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
@@ -201,6 +204,7 @@ class ServerState:
     def reset(self):
         with gc_disabled():
             self.requests, self.idle_calls, self.errors = [], [], []
+            self.idle_call_count = 0
             self.watch.collections = []
             self.stats_at_reset = _collections_so_far()
 
@@ -263,23 +267,24 @@ def build_app(state: ServerState, idle_after: float):
 
 
 async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: int):
-    called_since_last = True
-    seen_requests = 0
+    """Call the policy's on_idle(idle_seconds) every `idle_after` seconds while no request is in
+    flight; stop the server if the process that started it has gone."""
+    last_call = 0.0
     while True:
-        await asyncio.sleep(min(idle_after / 2, 0.05))
+        await asyncio.sleep(idle_after / 2)
         if os.getppid() != parent:          # the notebook went away: do not outlive it
             os._exit(0)
-        if len(state.requests) != seen_requests:
-            seen_requests, called_since_last = len(state.requests), False
-        if (not called_since_last and state.in_flight == 0
-                and time.perf_counter() - state.last_end >= idle_after):
-            start = time.perf_counter()
-            try:
-                state.hooks["on_idle"]()
-            except Exception as exc:
-                state.errors.append(f"on_idle: {type(exc).__name__}: {exc}")
-            state.idle_calls.append((start, time.perf_counter()))
-            called_since_last = True
+        now = time.perf_counter()
+        if state.in_flight or now - state.last_end < idle_after or now - last_call < idle_after:
+            continue
+        try:
+            state.hooks["on_idle"](now - state.last_end)
+        except Exception as exc:
+            state.errors.append(f"on_idle: {type(exc).__name__}: {exc}")
+        last_call = time.perf_counter()
+        state.idle_call_count += 1
+        if last_call - now > 1e-4:          # keep the calls that did something, for the timeline
+            state.idle_calls.append((now, last_call))
 
 
 def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
@@ -407,7 +412,8 @@ class Trace:
     @classmethod
     def from_json(cls, data: dict) -> "Trace":
         collections = [Collection(int(g), s, d, int(c), int(u)) for g, s, d, c, u in data["collections"]]
-        info = {k: data[k] for k in ("gc_enabled", "threshold", "frozen", "count", "python", "recording_intact")}
+        info = {k: data[k] for k in ("gc_enabled", "threshold", "frozen", "count", "python", "recording_intact",
+                                     "idle_call_count")}
         return cls([tuple(r) for r in data["requests"]], collections, [tuple(c) for c in data["idle_calls"]],
                    data["garbage"], info, data["errors"])
 

@@ -113,7 +113,7 @@ def test_server_does_not_outlive_its_parent():
 def test_policy_hooks_run_in_the_server(tmp_path):
     policy = _policy(tmp_path, "import gc\n"
                                "def on_startup():\n    gc.disable()\n"
-                               "def on_idle():\n    gc.collect()\n")
+                               "def on_idle(idle_seconds):\n    gc.collect()\n")
     with ModelServer(heap_objects=1000, cache_size=10, policy=policy, idle_after=0.005) as server:
         run_load(server.url, rate=100, duration=0.5)
         time.sleep(0.2)
