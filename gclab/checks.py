@@ -27,6 +27,7 @@ _ORIGINALS = {
     "gc.collect": gc.collect, "gc.disable": gc.disable, "gc.enable": gc.enable,
     "gc.isenabled": gc.isenabled, "gc.get_count": gc.get_count,
     "gc.get_threshold": gc.get_threshold, "gc.set_threshold": gc.set_threshold,
+    "gc.set_debug": gc.set_debug, "gc.get_debug": gc.get_debug, "gc.garbage": gc.garbage,
     "gc.callbacks": gc.callbacks, "time.perf_counter": time.perf_counter,
     "weakref.finalize": weakref.finalize, "torch.OutOfMemoryError": torch.OutOfMemoryError,
 }

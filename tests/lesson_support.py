@@ -69,9 +69,21 @@ def printed_text(path) -> str:
     return "".join(o.get("text", "") for _, o in code_outputs(path))
 
 
-def draws_a_plot(path) -> bool:
-    return any(o.output_type == "display_data" and "image/png" in o.get("data", {}) for _, o in code_outputs(path))
+def plots_drawn(path) -> int:
+    return sum(o.output_type == "display_data" and "image/png" in o.get("data", {}) for _, o in code_outputs(path))
 
 
 def cell_result(result, test_id):
     return next(t for t in result.tests if t.id == test_id)
+
+
+def assert_full_marks(result, max_score):
+    assert result.max_score == max_score, grading.format_results([result])
+    assert result.score == max_score, grading.format_results([result])
+
+
+def assert_no_marks_until_answered(result, max_score):
+    """The untouched release: 0 points, every test failing because the answer is not written yet."""
+    assert result.max_score == max_score and result.score == 0, grading.format_results([result])
+    assert all(t.status == "failed" and "is not defined yet" in t.message for t in result.tests), (
+        grading.format_results([result]))

@@ -3,7 +3,10 @@ verdicts that come from the meter."""
 import re
 
 import pytest
-from lesson_support import ROOT, cell_result, draws_a_plot, grade_all, printed_text, problems, write_variants
+from lesson_support import (
+    ROOT, assert_full_marks, assert_no_marks_until_answered, cell_result, grade_all, plots_drawn,
+    printed_text, problems, write_variants,
+)
 
 from gclab import grading
 
@@ -173,20 +176,15 @@ def test_solution_notebook_runs_clean_on_cpu(graded):
     assert "after `del c`: 0 B held; collections during all this: 0" in text
     assert re.search(r"10 losses kept as floats \(\.item\(\)\) hold 0 B", text)
     assert "this measures a no-op" in text, "on CPU the empty_cache() timing must say it times a no-op"
-    assert draws_a_plot(executed), "the lesson should draw its plot"
+    assert plots_drawn(executed), "the lesson should draw its plot"
 
 
 def test_solution_earns_full_marks(graded):
-    result = graded["solution"]
-    assert result.max_score == MAX_SCORE
-    assert result.score == MAX_SCORE, grading.format_results([result])
+    assert_full_marks(graded["solution"], MAX_SCORE)
 
 
 def test_untouched_student_notebook_earns_nothing(graded):
-    result = graded["untouched"]
-    assert result.score == 0 and result.max_score == MAX_SCORE, grading.format_results([result])
-    assert all(t.status == "failed" and "is not defined yet" in t.message for t in result.tests), (
-        grading.format_results([result]))
+    assert_no_marks_until_answered(graded["untouched"], MAX_SCORE)
 
 
 @pytest.mark.parametrize("wrong_answer", sorted(WRONG_ANSWERS))

@@ -2,7 +2,10 @@
 import re
 
 import pytest
-from lesson_support import ROOT, grade_all, printed_text, problems, shows_error, write_variants
+from lesson_support import (
+    ROOT, assert_full_marks, assert_no_marks_until_answered, grade_all, printed_text, problems,
+    shows_error, write_variants,
+)
 
 from gclab import grading
 
@@ -109,17 +112,14 @@ def test_solution_notebook_runs_clean_on_cpu(graded):
 
 
 def test_solution_earns_full_marks(graded):
-    result = graded["solution"]
-    assert result.max_score == 10
-    assert result.score == result.max_score, grading.format_results([result])
+    assert_full_marks(graded["solution"], 10)
 
 
 def test_untouched_student_notebook_earns_nothing(graded):
-    result = graded["untouched"]
-    assert result.score == 0 and result.max_score == 10, grading.format_results([result])
+    assert_no_marks_until_answered(graded["untouched"], 10)
     for exercise, name in (("jobs", "run_job"), ("scaler", "make_scaler")):
         for test_id in EXERCISES[exercise]:
-            assert f"{name} is not defined yet" in _message(result, test_id)
+            assert f"{name} is not defined yet" in _message(graded["untouched"], test_id)
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))

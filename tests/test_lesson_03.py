@@ -5,7 +5,10 @@ import re
 import nbformat
 import pytest
 
-from lesson_support import ROOT, draws_a_plot, grade_all, printed_text, problems, student_variant, write_variants
+from lesson_support import (
+    ROOT, assert_full_marks, assert_no_marks_until_answered, grade_all, plots_drawn, printed_text,
+    problems, student_variant, write_variants,
+)
 
 from gclab import grading
 
@@ -81,19 +84,16 @@ def test_solution_notebook_runs_clean_on_cpu(graded):
     text = printed_text(executed)
     assert "Out of memory at step" in text, "the lesson's leak should hit the device budget"
     assert re.search(r"peak 512\.00 KiB, 0 collections", text), "the fixed step should stay flat with no collection"
-    assert draws_a_plot(executed)
+    assert plots_drawn(executed)
 
 
 def test_solution_earns_full_marks(graded):
-    result = graded["solution"]
-    assert result.max_score == 6
-    assert result.score == result.max_score, grading.format_results([result])
+    assert_full_marks(graded["solution"], 6)
 
 
 def test_untouched_student_notebook_earns_nothing(graded):
-    result = graded["untouched"]
-    assert result.score == 0 and result.max_score == 6, grading.format_results([result])
-    assert all(t.status == "failed" and "make_pair is not defined yet" in t.message for t in result.tests)
+    assert_no_marks_until_answered(graded["untouched"], 6)
+    assert all("make_pair is not defined yet" in t.message for t in graded["untouched"].tests)
 
 
 @pytest.mark.parametrize("name", sorted(WRONG) + ["edits_locked_cells"])
