@@ -205,17 +205,6 @@ def assert_matches(name: str, got, expected, **tolerances) -> None:
 
 # -- a GC policy for a server: latency budget, no full collection in a request, bounded garbage
 @dataclass
-class PolicyRun:
-    name: str
-    load: object            # gclab.serving.LoadResult
-    trace: object           # gclab.serving.Trace
-
-    @property
-    def p99(self) -> float:
-        return self.load.percentiles((99,))[99]
-
-
-@dataclass
 class PolicyReport:
     """The same open-loop load against the same server, run with the policy under test, with
     the default collector and with the collector off, one after another in the same run."""
@@ -225,11 +214,11 @@ class PolicyReport:
     oldest_generation: int = 2
 
     @property
-    def policy(self) -> PolicyRun:
+    def policy(self):
         return self.runs["your policy"]
 
     @property
-    def baseline(self) -> PolicyRun:
+    def baseline(self):
         return self.runs["collector off"]
 
     @property
@@ -291,11 +280,11 @@ class PolicyReport:
         return "\n".join(lines)
 
 
-def run_policy_check(policy, rate: float = 250.0, duration: float = 6.0, heap_objects: int = 500_000,
+def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_objects: int = 400_000,
                      p99_ratio_budget: float = 3.0, garbage_fraction: float = 0.1, settle: float = 0.5,
-                     device=None, poisson_seed: int = 0, include_default: bool = True) -> PolicyReport:
-    """Serve the same load with `policy` (a policy file), with the default collector and with the
-    collector off, and judge the policy against the baseline measured in this same run.
+                     device=None, seed: int = 0, include_default: bool = True) -> PolicyReport:
+    """Serve the same load with `policy` (a policy file), with the collector off and (if asked)
+    with the default collector, and judge the policy against the baseline of this same run.
 
     The policy passes when its P99 is at most `p99_ratio_budget` times the collector-off P99, no
     full collection ran while a request was in flight, and at the end (after `settle` idle
@@ -304,7 +293,7 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 6.0, heap_ob
     import os
     import tempfile
 
-    from .serving import ModelServer, run_load
+    from .serving import measure
 
     with tempfile.TemporaryDirectory(prefix="gclab-policy-") as folder:
         off = os.path.join(folder, "collector_off.py")
@@ -313,12 +302,9 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 6.0, heap_ob
         configs = {"your policy": policy, "collector off": off}
         if include_default:
             configs["default"] = None
-        runs = {}
-        for name, path in configs.items():
-            with ModelServer(heap_objects=heap_objects, attribution="objects", policy=path, device=device) as server:
-                load = run_load(server.url, rate=rate, duration=duration, seed=poisson_seed)
-                time.sleep(settle)
-                runs[name] = PolicyRun(name, load, server.trace())
+        runs = {name: measure(name, rate=rate, duration=duration, settle=settle, seed=seed, policy=path,
+                              heap_objects=heap_objects, attribution="objects", device=device)
+                for name, path in configs.items()}
     return PolicyReport(runs, p99_ratio_budget, garbage_fraction)
 
 

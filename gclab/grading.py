@@ -114,10 +114,21 @@ def _root_name(node):
 
 
 def _parse(source):
-    try:
-        return ast.parse(source)
-    except SyntaxError:
-        return None
+    for text in (source, _without_magics(source)):
+        try:
+            return ast.parse(text)
+        except SyntaxError:
+            pass
+    return None
+
+
+def _without_magics(source: str) -> str:
+    """A cell's Python as IPython runs it: a cell magic's body (`%%writefile f.py`, `%%time`)
+    is read as Python; line magics and shell escapes (`%xdel x`, `!pip ...`) become `pass`."""
+    lines = source.splitlines()
+    if lines and lines[0].lstrip().startswith("%%"):
+        lines = lines[1:]
+    return "\n".join(re.sub(r"^(\s*)[%!].*$", r"\1pass", line) for line in lines)
 
 
 def imported_tools(sources) -> dict[str, str]:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from .gcwatch import Collection, GCWatch, gc_disabled
 
-__all__ = ["ModelServer", "LoadResult", "Trace", "run_load", "schedule"]
+__all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "measure", "run_load", "schedule"]
 
 READY = "gclab-serving ready on port"
 HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
@@ -515,6 +515,36 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
         raise RuntimeError("the load generator failed: " + done.stderr.strip()[-800:])
     rows = json.loads(done.stdout)
     return LoadResult(*[list(column) for column in zip(*rows)])
+
+
+@dataclass
+class ServedRun:
+    """One configuration of the server under one load: what the client saw and what the server recorded."""
+    name: str
+    load: LoadResult
+    trace: Trace
+
+    @property
+    def p99(self) -> float:
+        return self.load.percentiles((99,))[99]
+
+    def summary(self) -> str:
+        p = self.load.percentiles()
+        by_gen = {g: [c.duration for c in self.trace.collections if c.generation == g] for g in range(3)}
+        gens = ", ".join(f"gen {g}: {len(d)}" + (f" (longest {max(d) * 1e3:.1f} ms)" if d else "")
+                         for g, d in by_gen.items())
+        return (f"{self.name:<28} P50 {p[50]:6.1f}  P95 {p[95]:6.1f}  P99 {p[99]:6.1f}  max {p[100]:6.1f} ms | "
+                f"{gens} | cyclic garbage left: {self.trace.garbage.get('uncollected', 0)}")
+
+
+def measure(name: str, rate: float = 250.0, duration: float = 3.5, settle: float = 0.5, seed: int = 0,
+            **server_options) -> ServedRun:
+    """Start a server with `server_options` (see ModelServer), send it the open-loop load, wait
+    `settle` idle seconds (time for the policy's on_idle), read its trace, stop it."""
+    with ModelServer(**server_options) as server:
+        load = run_load(server.url, rate=rate, duration=duration, seed=seed)
+        time.sleep(settle)
+        return ServedRun(name, load, server.trace())
 
 
 def main(argv=None) -> int:

@@ -305,8 +305,8 @@ def test_integrity_problems_names_several_replacements(monkeypatch):
 # -- run_policy_check's verdict, on recorded runs -------------------------------------------
 from gclab.gcwatch import Collection  # noqa: E402
 def _policy_report(p99_ms, off_p99_ms=10.0, collections=(), uncollected=0, failed=0, requests=100):
-    from gclab.checks import PolicyReport, PolicyRun
-    from gclab.serving import LoadResult, Trace
+    from gclab.checks import PolicyReport
+    from gclab.serving import LoadResult, ServedRun, Trace
 
     def run(name, p99):
         done = [i + p99 / 1e3 for i in range(requests)]
@@ -315,7 +315,7 @@ def _policy_report(p99_ms, off_p99_ms=10.0, collections=(), uncollected=0, faile
         trace = Trace(requests=[(i, i + 0.0001, i + p99 / 1e3) for i in range(requests)],
                       collections=list(collections) if name == "your policy" else [],
                       garbage={"uncollected": uncollected if name == "your policy" else 0})
-        return PolicyRun(name, load, trace)
+        return ServedRun(name, load, trace)
     runs = {"your policy": run("your policy", p99_ms), "collector off": run("collector off", off_p99_ms)}
     return PolicyReport(runs, p99_ratio_budget=3.0, garbage_fraction=0.1)
 

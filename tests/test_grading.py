@@ -96,6 +96,8 @@ def test_unreadable_file_is_reported_not_crashed(course, tmp_path):
     "gc.callbacks.clear()",
     "import torch\ntorch.cuda.memory_allocated = lambda *a: 0",
     "del gc.callbacks[:]",
+    "%%writefile policy.py\nimport gc\ndef before_request(n):\n    gc.callbacks.clear()",
+    "%xdel x\nimport gclab.serving as s\ns.ServerState.garbage = lambda self: {}",
 ])
 def test_tampering_is_detected(source):
     assert grading.tampering(source)
@@ -109,6 +111,8 @@ def test_tampering_is_detected(source):
     "torch.backends.cudnn.benchmark = True",
     "sys.last_traceback = None",
     "del sys.last_value",
+    "%%writefile policy.py\nimport gc\ndef on_startup():\n    gc.freeze()",
+    "%reset -f out\n!ls\nx = 1",
     "def f(:\n",
 ])
 def test_ordinary_code_is_not_flagged(source):
