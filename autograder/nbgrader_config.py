@@ -16,7 +16,9 @@ c.CourseDirectory.root = ROOT
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "autograder", "gradebook.db")
-c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.png", "*.pickle"]
+# Files never released or graded: caches, and what lessons write when they run (lesson 06
+# writes the learner's policy to my_policy.py).  gclab's release and grade honour this list.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.png", "*.pickle", "my_policy.py"]
 
 # Lessons run loops and plots in single cells; 30 s (nbgrader's default) is too short on
 # a 2-core machine, and a runaway cell must still be stopped.

@@ -9,6 +9,7 @@ the grader's tools.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import os
 import re
@@ -72,13 +73,20 @@ def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout
     return _run(cmd, course, timeout)
 
 
+def ignored_patterns(root: Path) -> list[str]:
+    """The file patterns the course's nbgrader config never releases (CourseDirectory.ignore)."""
+    from traitlets.config.loader import PyFileConfigLoader
+    config = PyFileConfigLoader(CONFIG.name, path=str(root / CONFIG.parent)).load_config()
+    return list(config.CourseDirectory.get("ignore", [".ipynb_checkpoints", "__pycache__"]))
+
+
 def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
     """A throw-away nbgrader course in `workdir` with the given lessons' sources."""
     (workdir / "autograder").mkdir(parents=True, exist_ok=True)
     shutil.copy(root / CONFIG, workdir / CONFIG)
     for name in assignments:
         shutil.copytree(root / "solutions" / name, workdir / "solutions" / name,
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+                        ignore=shutil.ignore_patterns(*ignored_patterns(root)))
     return workdir
 
 
@@ -359,8 +367,10 @@ def _source_key(root: Path, assignment: str) -> str:
     from importlib.metadata import version
     digest = hashlib.sha256(version("nbgrader").encode())
     digest.update((root / CONFIG).read_bytes())
+    ignored = ignored_patterns(root)
     for path in sorted((root / "solutions" / assignment).rglob("*")):
-        if path.is_file() and ".ipynb_checkpoints" not in path.parts and "__pycache__" not in path.parts:
+        parts = path.relative_to(root / "solutions" / assignment).parts
+        if path.is_file() and not any(fnmatch.fnmatch(part, p) for part in parts for p in ignored):
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -9,8 +9,10 @@
 The server is an ASGI app (Starlette) under uvicorn, in a process of its own on
 127.0.0.1.  It serves a small torch model, optionally with "attribution" post-processing
 that builds many small Python objects with back-references per request ("objects"), or
-the same scores as one tensor ("compact"), and it keeps a
-long-lived heap (vocabulary, metadata, a response cache) the collector has to walk.  It
+the same scores as one tensor ("compact"), and it keeps a long-lived heap (vocabulary,
+metadata, a response cache) the collector has to walk.  Each request also awaits
+`device_ms` of simulated accelerator time (the CPU and the event loop are free meanwhile,
+as when a GPU runs the model), so several requests are in flight at once.  It
 records, on the shared `time.perf_counter()` clock (CLOCK_MONOTONIC on Linux), when each
 request started and ended and every collection (`gclab.gcwatch`), and hands them back on
 `GET /_gclab/trace`.
@@ -73,7 +75,7 @@ class TokenScore:
         self.token = token
         self.score = score
         self.by_class = by_class                # a list of floats
-        self.detail = {"rank": None, "share": None}
+        self.detail = [None, None]              # rank, share of the total
 
 
 def long_lived_heap(objects: int) -> dict:
@@ -111,7 +113,7 @@ class Model:
             explanation.tokens.append(TokenScore(explanation, token, by_class[label], by_class))
         total = sum(abs(t.score) for t in explanation.tokens) or 1.0
         for rank, scored in enumerate(sorted(explanation.tokens, key=lambda t: t.score, reverse=True)):
-            scored.detail["rank"], scored.detail["share"] = rank, abs(scored.score) / total
+            scored.detail[:] = [rank, abs(scored.score) / total]
         return explanation
 
     def explain_compact(self, label, contributions):
@@ -137,10 +139,13 @@ def load_policy(path):
     """The hooks a policy file defines (missing ones do nothing)."""
     hooks = {name: (lambda *args: None) for name in HOOKS}
     if path:
+        import importlib.machinery
         import importlib.util
-        spec = importlib.util.spec_from_file_location("gclab_policy", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no policy file at {path}")
+        loader = importlib.machinery.SourceFileLoader("gclab_policy", path)     # any file name will do
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("gclab_policy", loader))
+        loader.exec_module(module)
         hooks.update({name: getattr(module, name) for name in HOOKS if callable(getattr(module, name, None))})
     return hooks
 
@@ -154,14 +159,20 @@ class ServerState:
         self.requests: list[tuple[int, float, float]] = []      # (request id, start, end)
         self.idle_calls: list[tuple[float, float]] = []      # (start, end) of on_idle calls that took time
         self.idle_call_count = 0
+        self.peak_garbage = 0
         self.errors: list[str] = []
         self.explanations = weakref.WeakSet()
         self.watch = GCWatch()
         self.stats_at_reset = _collections_so_far()
 
     def answer(self, seed: int) -> dict:
+        return self.postprocess(*self.infer(seed))
+
+    def infer(self, seed: int):
         tokens = self.model.tokens(seed)
-        label, contributions = self.model.predict(tokens)
+        return (seed, tokens, *self.model.predict(tokens))
+
+    def postprocess(self, seed, tokens, label, contributions) -> dict:
         body = {"label": label}
         if self.attribution == "objects":
             explanation = self.model.explain(label, tokens, contributions)
@@ -177,10 +188,14 @@ class ServerState:
         return body
 
     def garbage(self) -> dict:
-        """Explanations still alive though neither cached nor in flight: cyclic garbage not yet collected."""
+        """Explanations still alive though neither cached nor in flight: cyclic garbage not yet
+        collected, now and at its highest since the last reset (sampled while the server runs)."""
         alive = len(self.explanations)
         cached = sum(1 for value in self.cache.entries.values() if isinstance(value, Explanation))
-        return {"explanations_alive": alive, "cached": cached, "uncollected": max(0, alive - cached)}
+        uncollected = max(0, alive - cached)
+        self.peak_garbage = max(self.peak_garbage, uncollected)
+        return {"explanations_alive": alive, "cached": cached, "uncollected": uncollected,
+                "peak_uncollected": self.peak_garbage}
 
     def trace(self) -> dict:
         return {
@@ -205,6 +220,7 @@ class ServerState:
         with gc_disabled():
             self.requests, self.idle_calls, self.errors = [], [], []
             self.idle_call_count = 0
+            self.peak_garbage = 0
             self.watch.collections = []
             self.stats_at_reset = _collections_so_far()
 
@@ -225,15 +241,16 @@ def _request_id(query: bytes) -> int:
     return -1
 
 
-def build_app(state: ServerState, idle_after: float):
+def build_app(state: ServerState, device_seconds: float):
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     async def predict(request):
-        seed = int(request.query_params.get("seed", "0"))
-        await asyncio.sleep(0)          # a stage boundary, as when awaiting a batcher: requests interleave
-        return JSONResponse(state.answer(seed))
+        inferred = state.infer(int(request.query_params.get("seed", "0")))
+        # waiting for the accelerator's answer: the event loop serves other requests meanwhile
+        await asyncio.sleep(device_seconds)
+        return JSONResponse(state.postprocess(*inferred))
 
     async def trace(request):
         data = state.trace()
@@ -274,6 +291,7 @@ async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: 
         await asyncio.sleep(idle_after / 2)
         if os.getppid() != parent:          # the notebook went away: do not outlive it
             os._exit(0)
+        state.garbage()                     # samples the peak of uncollected garbage
         now = time.perf_counter()
         if state.in_flight or now - state.last_end < idle_after or now - last_call < idle_after:
             continue
@@ -288,7 +306,7 @@ async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: 
 
 
 def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
-          cache_size: int, idle_after: float) -> None:
+          cache_size: int, idle_after: float, device_ms: float) -> None:
     import socket
 
     import torch
@@ -302,7 +320,7 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     state.cache.entries.clear()
     gc.collect()
     hooks["on_startup"]()
-    app = build_app(state, idle_after)
+    app = build_app(state, device_ms / 1e3)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit this: without it Nagle's algorithm holds the body back
@@ -417,6 +435,10 @@ class Trace:
         return cls([tuple(r) for r in data["requests"]], collections, [tuple(c) for c in data["idle_calls"]],
                    data["garbage"], info, data["errors"])
 
+    @classmethod
+    def unavailable(cls, reason: str) -> "Trace":
+        return cls([], [], info={"recording_intact": False}, errors=[reason])
+
     def collections_inside_requests(self, generation: int | None = None) -> list[Collection]:
         """Collections that ran while at least one request was being handled."""
         import numpy as np
@@ -437,13 +459,15 @@ class ModelServer:
     """Start the model server in its own process; always stopped on exit, error or interrupt."""
 
     def __init__(self, heap_objects: int = 400_000, attribution="objects", policy=None,
-                 device=None, cache_size: int = 200, idle_after: float = 0.01, startup_timeout: float = 120):
+                 device=None, cache_size: int = 100, idle_after: float = 0.01, device_ms: float = 5.0,
+                 startup_timeout: float = 120):
         from .memory import default_device
         if attribution not in ATTRIBUTION:
             raise ValueError(f"attribution must be one of {', '.join(ATTRIBUTION)}, not {attribution!r}")
         self.options = dict(heap_objects=heap_objects, attribution=attribution,
                             policy=str(Path(policy).resolve()) if policy else None,
-                            device=str(device or default_device()), cache_size=cache_size, idle_after=idle_after)
+                            device=str(device or default_device()), cache_size=cache_size, idle_after=idle_after,
+                            device_ms=device_ms)
         self.startup_timeout = startup_timeout
         self.proc = None
         self.port = None
@@ -455,7 +479,8 @@ class ModelServer:
     def start(self) -> "ModelServer":
         o = self.options
         cmd = [sys.executable, "-m", "gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
-               "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"])]
+               "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"]),
+               "--device-ms", str(o["device_ms"])]
         cmd += ["--attribution", o["attribution"]]
         cmd += ["--policy", o["policy"]] if o["policy"] else []
         self._log = tempfile.TemporaryFile(mode="w+")
@@ -497,9 +522,16 @@ class ModelServer:
         self.stop()
         return False
 
-    def trace(self, reset: bool = False) -> Trace:
-        with urllib.request.urlopen(f"{self.url}/_gclab/trace{'?reset=1' if reset else ''}", timeout=60) as answer:
-            return Trace.from_json(json.loads(answer.read()))
+    def trace(self, reset: bool = False, timeout: float = 5) -> Trace:
+        """What the server recorded; if it cannot answer within `timeout` seconds (still busy
+        with a backlog, or stuck), a Trace that says so and records nothing."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/_gclab/trace{'?reset=1' if reset else ''}",
+                                        timeout=timeout) as answer:
+                return Trace.from_json(json.loads(answer.read()))
+        except (OSError, ValueError) as exc:      # URLError, timeouts and bad JSON
+            return Trace.unavailable(f"the server did not report its trace within {timeout:g} s "
+                                     f"({type(exc).__name__}): it was still busy or had stopped")
 
 
 def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool = True, seed: int = 0,
@@ -507,7 +539,7 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
     """Send rate × duration requests on an open-loop schedule (in a process of its own) and wait
     for their answers; requests still unanswered `timeout` seconds after the start count as failed."""
     count = max(1, int(rate * duration))
-    timeout = timeout or duration + 30
+    timeout = timeout or duration + 5
     cmd = [sys.executable, "-m", "gclab.serving", "load", url, "--rate", str(rate), "--count", str(count),
            "--seed", str(seed), "--timeout", str(timeout)] + (["--poisson"] if poisson else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
@@ -534,7 +566,8 @@ class ServedRun:
         gens = ", ".join(f"gen {g}: {len(d)}" + (f" (longest {max(d) * 1e3:.1f} ms)" if d else "")
                          for g, d in by_gen.items())
         return (f"{self.name:<28} P50 {p[50]:6.1f}  P95 {p[95]:6.1f}  P99 {p[99]:6.1f}  max {p[100]:6.1f} ms | "
-                f"{gens} | cyclic garbage left: {self.trace.garbage.get('uncollected', 0)}")
+                f"{gens} | cyclic garbage: peak {self.trace.garbage.get('peak_uncollected', 0)}, "
+                f"left {self.trace.garbage.get('uncollected', 0)}")
 
 
 def measure(name: str, rate: float = 250.0, duration: float = 3.5, settle: float = 0.5, seed: int = 0,
@@ -555,8 +588,9 @@ def main(argv=None) -> int:
     s.add_argument("--attribution", choices=ATTRIBUTION, default="off")
     s.add_argument("--policy")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--cache-size", type=int, default=200)
+    s.add_argument("--cache-size", type=int, default=100)
     s.add_argument("--idle-after", type=float, default=0.01)
+    s.add_argument("--device-ms", type=float, default=5.0)
     c = sub.add_parser("load")
     c.add_argument("url")
     c.add_argument("--rate", type=float, required=True)
@@ -566,7 +600,8 @@ def main(argv=None) -> int:
     c.add_argument("--timeout", type=float, default=60)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after)
+        serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after,
+              args.device_ms)
     else:
         load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout)
     return 0

@@ -304,7 +304,7 @@ def test_integrity_problems_names_several_replacements(monkeypatch):
 
 # -- run_policy_check's verdict, on recorded runs -------------------------------------------
 from gclab.gcwatch import Collection  # noqa: E402
-def _policy_report(p99_ms, off_p99_ms=10.0, collections=(), uncollected=0, failed=0, requests=100):
+def _policy_report(p99_ms, off_p99_ms=10.0, collections=(), uncollected=0, peak=0, failed=0, requests=100):
     from gclab.checks import PolicyReport
     from gclab.serving import LoadResult, ServedRun, Trace
 
@@ -314,10 +314,11 @@ def _policy_report(p99_ms, off_p99_ms=10.0, collections=(), uncollected=0, faile
                           status=[200] * (requests - failed) + [0] * failed)
         trace = Trace(requests=[(i, i + 0.0001, i + p99 / 1e3) for i in range(requests)],
                       collections=list(collections) if name == "your policy" else [],
-                      garbage={"uncollected": uncollected if name == "your policy" else 0})
+                      garbage={"uncollected": uncollected if name == "your policy" else 0,
+                               "peak_uncollected": peak if name == "your policy" else 0})
         return ServedRun(name, load, trace)
     runs = {"your policy": run("your policy", p99_ms), "collector off": run("collector off", off_p99_ms)}
-    return PolicyReport(runs, p99_ratio_budget=3.0, garbage_fraction=0.1)
+    return PolicyReport(runs, p99_ratio_budget=3.0, garbage_fraction=0.25)
 
 
 def test_policy_within_budget_with_no_full_collection_inside_passes():
@@ -338,10 +339,17 @@ def test_full_collection_inside_a_request_fails():
     assert "1 full (generation 2) collection(s) ran while requests were in flight, the longest 30.0 ms" in report.explain()
 
 
-def test_garbage_over_the_bound_fails():
-    report = _policy_report(p99_ms=9.0, uncollected=11)
+def test_garbage_over_the_bound_at_the_end_fails():
+    report = _policy_report(p99_ms=9.0, uncollected=26)
     assert not report.ok and not report.checks["garbage bounded"]
-    assert "11 responses' worth, over the bound of 10" in report.explain()
+    assert "at most 26 at any time, 26 left at the end, over the bound of 25" in report.explain()
+
+
+def test_garbage_over_the_bound_during_the_run_fails_even_if_collected_at_the_end():
+    report = _policy_report(p99_ms=9.0, uncollected=0, peak=60)
+    assert not report.ok and not report.checks["garbage bounded"]
+    assert "at most 60 at any time, 0 left at the end" in report.explain()
+    assert "collecting only once the load is over, is not a fix" in report.explain()
 
 
 def test_failed_requests_fail_the_policy():

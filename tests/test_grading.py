@@ -200,3 +200,13 @@ def test_generated_course_is_cached_until_the_sources_change(course, tmp_path):
     nb.cells.append(nbformat.v4.new_markdown_cell("one more line"))
     nbformat.write(nb, source)
     assert grading.prepare(course, "toy") != first
+
+
+def test_files_the_config_ignores_are_not_released_and_do_not_change_the_cache_key(course, tmp_path):
+    course = Path(shutil.copytree(course, tmp_path / "copy"))
+    key = grading._source_key(course, "toy")
+    (course / "solutions" / "toy" / "my_policy.py").write_text("import gc\n")   # what a lesson writes as it runs
+    assert "my_policy.py" in grading.ignored_patterns(course)
+    assert grading._source_key(course, "toy") == key
+    released = grading.build_release(course, tmp_path / "release")
+    assert not (released / "toy" / "my_policy.py").exists()
