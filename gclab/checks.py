@@ -288,7 +288,7 @@ class PolicyReport:
 
 
 def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_objects: int = 300_000,
-                     p99_ratio_budget: float = 3.0, garbage_fraction: float = 0.5, settle: float = 0.5,
+                     p99_ratio_budget: float = 3.0, garbage_fraction: float = 0.65, settle: float = 0.5,
                      device=None, seed: int = 0, include_default: bool = True) -> PolicyReport:
     """Serve the same load with `policy` (a policy file), with the collector off and (if asked)
     with the default collector, and judge the policy against the baseline of this same run.
