@@ -212,6 +212,7 @@ class PolicyReport:
     p99_ratio_budget: float
     garbage_fraction: float
     oldest_generation: int = 2
+    first_p99_ratio: float | None = None    # an earlier attempt's ratio, when only its P99 failed
 
     @property
     def policy(self):
@@ -265,6 +266,10 @@ class PolicyReport:
         p99s = ", ".join(f"{name} {r.p99:.1f} ms" for name, r in self.runs.items())
         lines = [f"P99 latency: {p99s}; yours is {self.p99_ratio:.2f}x the collector-off baseline "
                  f"(budget {self.p99_ratio_budget:g}x): " + ("within budget." if checks["p99"] else "over budget.")]
+        if self.first_p99_ratio is not None:
+            lines.append(f"(A first pair of runs measured {self.first_p99_ratio:.2f}x with everything else in order; "
+                         "a P99 over budget is measured once more, on a fresh pair, before it counts: "
+                         "these figures are the second pair's.)")
         inside = self.full_collections_inside
         if inside:
             worst = max(c.duration for c in inside)
@@ -289,19 +294,26 @@ class PolicyReport:
 
 def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_objects: int = 300_000,
                      p99_ratio_budget: float = 3.0, garbage_fraction: float = 0.65, settle: float = 0.5,
-                     device=None, seed: int = 0, include_default: bool = True) -> PolicyReport:
+                     device=None, seed: int = 0, include_default: bool = True,
+                     confirm_below: float = 10.0) -> PolicyReport:
     """Serve the same load with `policy` (a policy file), with the collector off and (if asked)
     with the default collector, and judge the policy against the baseline of this same run.
 
     The policy passes when its P99 is at most `p99_ratio_budget` times the collector-off P99, no
     full collection ran while a request was in flight, and the cyclic garbage alive at any time
     (sampled while the server runs, and after `settle` idle seconds at the end) stayed at most
-    `garbage_fraction` of the requests served.
+    `garbage_fraction` of the requests served.  When only the P99 failed, and by less than
+    `confirm_below` times the baseline, the policy and the baseline are run once more and that
+    second pair decides (a stall of the machine during one run is not the policy's doing).
     """
     import os
     import tempfile
 
     from .serving import measure
+
+    def serve(name, path):
+        return measure(name, rate=rate, duration=duration, settle=settle, seed=seed, policy=path,
+                       heap_objects=heap_objects, attribution="objects", device=device)
 
     with tempfile.TemporaryDirectory(prefix="gclab-policy-") as folder:
         off = os.path.join(folder, "collector_off.py")
@@ -310,10 +322,19 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_ob
         configs = {"your policy": policy, "collector off": off}
         if include_default:
             configs["default"] = None
-        runs = {name: measure(name, rate=rate, duration=duration, settle=settle, seed=seed, policy=path,
-                              heap_objects=heap_objects, attribution="objects", device=device)
-                for name, path in configs.items()}
-    return PolicyReport(runs, p99_ratio_budget, garbage_fraction)
+        report = PolicyReport({name: serve(name, path) for name, path in configs.items()},
+                              p99_ratio_budget, garbage_fraction)
+        if _only_latency_failed(report, confirm_below):
+            # A shared machine can stall one run; a latency failure must show up twice to count.
+            again = {"your policy": serve("your policy", policy), "collector off": serve("collector off", off)}
+            report = PolicyReport({**report.runs, **again}, p99_ratio_budget, garbage_fraction,
+                                  first_p99_ratio=report.p99_ratio)
+    return report
+
+
+def _only_latency_failed(report: PolicyReport, confirm_below: float) -> bool:
+    failed = {name for name, ok in report.checks.items() if not ok}
+    return failed == {"p99"} and report.p99_ratio < confirm_below
 
 
 def assert_policy(report: PolicyReport) -> None:

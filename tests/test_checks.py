@@ -355,3 +355,44 @@ def test_garbage_over_the_bound_during_the_run_fails_even_if_collected_at_the_en
 def test_failed_requests_fail_the_policy():
     report = _policy_report(p99_ms=9.0, failed=1)
     assert not report.ok and "1 request(s) got no answer" in report.explain()
+
+
+def _fake_measure(p99_by_call, peak=0):
+    """A stand-in for gclab.serving.measure: each call serves the next P99 from the list."""
+    from gclab.serving import LoadResult, ServedRun, Trace
+    calls = iter(p99_by_call)
+
+    def measure(name, **options):
+        p99 = next(calls)
+        load = LoadResult(scheduled=list(range(100)), sent=list(range(100)),
+                          done=[i + p99 / 1e3 for i in range(100)], status=[200] * 100)
+        trace = Trace(requests=[], collections=[], garbage={"uncollected": 0, "peak_uncollected": peak},
+                      info={"recording_intact": True})
+        return ServedRun(name, load, trace)
+    return measure
+
+
+def test_a_latency_failure_is_measured_once_more_before_it_counts(monkeypatch):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([40.0, 10.0, 12.0, 10.0]))
+    report = run_policy_check("policy.py", include_default=False)
+    assert report.ok and report.first_p99_ratio == pytest.approx(4.0)
+    assert "A first pair of runs measured 4.00x" in report.explain()
+
+
+def test_a_latency_failure_seen_twice_fails(monkeypatch):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([40.0, 10.0, 45.0, 10.0]))
+    report = run_policy_check("policy.py", include_default=False)
+    assert not report.ok and report.p99_ratio == pytest.approx(4.5)
+
+
+@pytest.mark.parametrize("p99s, peak", [([500.0, 10.0], 0), ([40.0, 10.0], 99)])
+def test_no_second_pair_for_a_gross_latency_failure_or_another_failure(monkeypatch, p99s, peak):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure(p99s, peak=peak))
+    report = run_policy_check("policy.py", include_default=False)      # a third call would raise StopIteration
+    assert not report.ok and report.first_p99_ratio is None
