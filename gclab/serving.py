@@ -1,6 +1,6 @@
 """A small model server and an open-loop load generator, to watch collector pauses hit requests.
 
-    with ModelServer(heap_objects=400_000, attribution="objects", policy="my_policy.py") as server:
+    with ModelServer(heap_objects=300_000, attribution="objects", policy="my_policy.py") as server:
         load = run_load(server.url, rate=200, duration=4.0)
         trace = server.trace()
     load.percentiles()               # latency in ms at P50, P95, P99 and the maximum
@@ -458,7 +458,7 @@ def _kill(proc):
 class ModelServer:
     """Start the model server in its own process; always stopped on exit, error or interrupt."""
 
-    def __init__(self, heap_objects: int = 400_000, attribution="objects", policy=None,
+    def __init__(self, heap_objects: int = 300_000, attribution="objects", policy=None,
                  device=None, cache_size: int = 100, idle_after: float = 0.01, device_ms: float = 5.0,
                  startup_timeout: float = 120):
         from .memory import default_device
@@ -584,7 +584,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gclab.serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("--heap-objects", type=int, default=400_000)
+    s.add_argument("--heap-objects", type=int, default=300_000)
     s.add_argument("--attribution", choices=ATTRIBUTION, default="off")
     s.add_argument("--policy")
     s.add_argument("--device", default="cpu")
