@@ -61,15 +61,18 @@ def test_dict_keys_attributes_closures_and_defaults_read_as_python(module):
             "refs_demo.inner.__closure__[0].cell_contents", "refs_demo.with_default.__defaults__[0]"} <= paths
 
 
-def test_a_stored_exception_leads_through_its_traceback_to_the_frame(module):
+def _save_a_failure(module):
+    """Store in `module.saved` an exception whose traceback's frame holds a Thing; return that Thing."""
     try:
         _fail_holding(Thing())
     except ValueError as e:
         module.saved = e
     frame = module.saved.__traceback__.tb_next.tb_frame
-    target = next(o for o in gc.get_referents(frame) if isinstance(o, Thing))
-    paths = reference_paths(target)
-    del frame
+    return next(o for o in gc.get_referents(frame) if isinstance(o, Thing))
+
+
+def test_a_stored_exception_leads_through_its_traceback_to_the_frame(module):
+    paths = reference_paths(_save_a_failure(module))
     assert any(p.startswith("refs_demo.saved.__traceback__.tb_next.tb_frame") and "_fail_holding()" in p
                for p in paths), paths
 
@@ -77,13 +80,7 @@ def test_a_stored_exception_leads_through_its_traceback_to_the_frame(module):
 def test_the_search_itself_leaves_no_reference_behind(module):
     # Reading frame.f_locals on Python <= 3.12 stores a copy of the locals that
     # traceback.clear_frames leaves alone: the search must not do that.
-    try:
-        _fail_holding(Thing())
-    except ValueError as e:
-        module.saved = e
-    frame = module.saved.__traceback__.tb_next.tb_frame
-    probe = weakref.ref(next(o for o in gc.get_referents(frame) if isinstance(o, Thing)))
-    del frame
+    probe = weakref.ref(_save_a_failure(module))
     assert reference_paths(probe())
     gc.disable()            # the conftest fixture restores the collector's state
     traceback.clear_frames(module.saved.__traceback__)
