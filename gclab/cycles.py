@@ -466,6 +466,7 @@ def _layout(graph: ObjectGraph) -> dict[str, tuple[float, float]]:
         neighbours[e.source].append(e.target)
         neighbours[e.target].append(e.source)
     width = max(len(keys) for keys in layers.values())
+    looped = {key for e in graph.cycle_edges() for key in (e.source, e.target)}
     pos: dict[str, tuple[float, float]] = {}
     for depth in sorted(layers):
         keys = layers[depth]
@@ -478,7 +479,9 @@ def _layout(graph: ObjectGraph) -> dict[str, tuple[float, float]]:
         y = depth if graph.direction == "backrefs" else -depth
         offset = (width - len(keys)) / 2
         for i, key in enumerate(keys):
-            pos[key] = (offset + i, float(y))
+            # what hangs off a cycle sits a little apart, clear of the arrow that closes it
+            apart = 0.6 if key not in looped and any(k in looped for k in keys[:i]) else 0.0
+            pos[key] = (offset + i + apart, float(y))
     return pos
 
 
@@ -616,7 +619,8 @@ class CycleReport:
         name = {key: f"{n.type_name} {n.summary}".strip() for key, n in nodes.items()}
         lines = [self.title + ". The loop:"]
         lines += [f"  {name[e.source]} --{e.label or '?'}--> {name[e.target]}" for e in self.loop_edges]
-        held = [e for e in self.graph.edges if e.target not in members]
+        held = sorted((e for e in self.graph.edges if e.target not in members),
+                      key=lambda e: nodes[e.source].depth)      # from the loop outwards
         if held:
             lines.append("and what it held:")
             lines += [f"  {name[e.source]} --{e.label or '?'}--> {name[e.target]}" for e in held]

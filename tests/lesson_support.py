@@ -87,3 +87,10 @@ def assert_no_marks_until_answered(result, max_score):
     assert result.max_score == max_score and result.score == 0, grading.format_results([result])
     assert all(t.status == "failed" and "is not defined yet" in t.message for t in result.tests), (
         grading.format_results([result]))
+
+
+def assert_less_than_full_marks(result, max_score):
+    """A wrong fix: some points lost, and a reason for every point lost."""
+    assert result.max_score == max_score, grading.format_results([result])
+    assert result.score < max_score, grading.format_results([result])
+    assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"

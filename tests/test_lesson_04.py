@@ -1,0 +1,106 @@
+"""Lesson 04 end to end: the solution runs clean, and grading accepts only a broken cycle."""
+import re
+
+import pytest
+
+from lesson_support import (
+    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
+    grade_all, plots_drawn, printed_text, problems, write_variants,
+)
+
+from gclab import grading
+
+SOLUTION = ROOT / "solutions" / "04_awaitable_callback_oom" / "04_awaitable_callback_oom.ipynb"
+RELEASE = ROOT / "notebooks" / "04_awaitable_callback_oom" / "04_awaitable_callback_oom.ipynb"
+
+VIEW = '''
+class BatchView:
+    def __init__(self, pending, rows, keep_columns):
+        self._pending = pending
+        self.rows = rows
+        self.keep_columns = keep_columns
+        self._callbacks = {callbacks}
+
+    def wait(self):
+        out = self._pending.wait()
+        for callback in self._callbacks:
+            out = callback(out)
+        {after}
+        return out
+{extra}
+'''
+
+
+def view(callbacks="[lambda t: t.view(self.rows, -1), lambda t: t[:, : self.keep_columns]]", after="", extra=""):
+    return VIEW.format(callbacks=callbacks, after=after, extra=extra)
+
+
+# Plausible wrong fixes (and a hostile submission): none may earn full marks.
+WRONG = {
+    "collect_in_wait": view(after="gc.collect()"),
+    "empty_cache_in_wait": view(after="if torch.cuda.is_available(): torch.cuda.empty_cache()"),
+    "bound_methods": view(callbacks="[self._rows, self._first_columns]", extra=(
+        "    def _rows(self, t):\n        return t.view(self.rows, -1)\n"
+        "    def _first_columns(self, t):\n        return t[:, : self.keep_columns]\n")),
+    "clears_callbacks_after_wait": view(after="self._callbacks = []"),
+    "drops_pending_after_wait": view(after="self._pending = None"),
+    "copies_the_result": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]",
+                              after="out = out.clone()"),
+    "patches_the_detector": view(extra="\ncycles.find_tensor_cycles = lambda *args, **kwargs: []\n"
+                                       "checks.assert_flat = lambda report: None\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
+    return grade_all(paths, folder)
+
+
+def test_solution_notebook_runs_clean_on_cpu(graded):
+    """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
+    executed = graded["solution"].executed
+    assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
+    text = printed_text(executed)
+    assert re.search(r"out of memory at call \d+, after 0 collections", text), "the leak should hit the budget first"
+    assert "--closure cell 'self'--> cell" in text, "the detector should name the closure cell that holds self"
+    assert re.search(r"LambdaOverValue:\s+0 B held,\s+0 objects", text)
+    assert re.search(r"BoundMethod:\s+12\.50 MiB held", text), "a stored bound method is still a cycle"
+    assert plots_drawn(executed) >= 3, "the timeline, the cycle and the five ways are drawn"
+
+
+def test_solution_earns_full_marks(graded):
+    assert_full_marks(graded["solution"], 8)
+
+
+def test_untouched_student_notebook_earns_nothing(graded):
+    assert_no_marks_until_answered(graded["untouched"], 8)
+    assert all("BatchView is not defined yet" in t.message for t in graded["untouched"].tests)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_wrong_fix_does_not_earn_full_marks(graded, name):
+    assert_less_than_full_marks(graded[name], 8)
+
+
+def test_leaving_any_cycle_loses_the_memory_and_cycle_marks(graded):
+    """Fixes that keep a cycle, on any path, keep only the views' 3 points."""
+    for name in ("collect_in_wait", "empty_cache_in_wait", "bound_methods", "clears_callbacks_after_wait",
+                 "drops_pending_after_wait"):
+        result = graded[name]
+        assert result.score == 3, grading.format_results([result])
+        assert cell_result(result, "test_same_views").status == "passed"
+
+
+def test_wrong_fixes_are_told_why(graded):
+    def message(name, test_id):
+        return cell_result(graded[name], test_id).message
+
+    assert "collector ran" in message("collect_in_wait", "test_memory_flat")
+    assert "did not return to its baseline" in message("clears_callbacks_after_wait", "test_memory_flat")
+    assert "detector found reference cycles" in message("bound_methods", "test_no_cycle")
+    assert "a copy" in message("copies_the_result", "test_same_views")
+    assert graded["copies_the_result"].score == 5, "a copy is the only thing wrong with it"
+    assert "modifies the grader" in graded["patches_the_detector"].reason
+    assert graded["patches_the_detector"].score == 0
