@@ -8,10 +8,14 @@ assignment (which records the hidden tests in the gradebook) and autogrades one
 student's submission, all in one interpreter: nbgrader takes seconds to import, and a
 grading command pays that once per submission instead of once per step.  The memory
 limit caps the address space of this process and of the kernels it starts.
+
+`run_forked` runs the same job in a process forked from a server that has imported
+nbgrader already (grading._nbgrader_job uses it where it can).
 """
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -49,6 +53,26 @@ def main(argv=None) -> int:
             print(f"nbgrader {name} failed:\n{result.get('error', '')}", file=sys.stderr)
             return 3
     return 0
+
+
+def run_forked(argv, log_path: str, bin_dir: str) -> None:
+    """The same job in a process forked from the grading fork server: a session of its own
+    (so a timeout can stop it and the kernel it started), output into `log_path`, the
+    environment a subprocess job gets (the Python's bin folder first on PATH, warnings off)."""
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    os.environ["PYTHONWARNINGS"] = "ignore"
+    warnings.simplefilter("ignore")
+    try:
+        code = main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -614,6 +614,13 @@ class CycleReport:
         return (f"Reference cycle of {len(self.loop)} objects found by a generation-{self.generation} "
                 f"collection: it held {len(self.tensors)} tensor(s), {format_bytes(self.nbytes)}")
 
+    @property
+    def shape(self) -> tuple:
+        """What the cycle is made of, without addresses: equal for cycles built by the same code."""
+        nodes = self.graph.nodes
+        return tuple(sorted((nodes[e.source].type_name, e.label, nodes[e.target].type_name)
+                            for e in self.graph.edges))
+
     def summary(self) -> str:
         nodes, members = self.graph.nodes, set(self.loop)
         name = {key: f"{n.type_name} {n.summary}".strip() for key, n in nodes.items()}
@@ -850,9 +857,18 @@ class TensorCycles:
         return sum(r.nbytes for r in self.reports)
 
     def summary(self) -> str:
+        """Each shape of cycle once (the first found), with how many of that shape there were."""
         head = (f"{len(self.reports)} reference cycle(s) holding tensors "
                 f"({format_bytes(self.nbytes)}) in {self.collections} collection(s)")
-        return "\n\n".join([head] + [r.summary() for r in self.reports])
+        by_shape: dict[tuple, list[CycleReport]] = {}
+        for report in self.reports:
+            by_shape.setdefault(report.shape, []).append(report)
+        parts = [head]
+        for same in by_shape.values():
+            more = len(same) - 1
+            note = f"\n(and {more} more cycle(s) of the same shape, {format_bytes(sum(r.nbytes for r in same[1:]))})"
+            parts.append(same[0].summary() + (note if more else ""))
+        return "\n\n".join(parts)
 
     # -- the collector's side ----------------------------------------------------------
     def _on_gc(self, phase: str, info: dict) -> None:

@@ -266,3 +266,32 @@ def test_frame_cycle_found_without_reading_f_locals():
         gc.set_debug(0)
         gc.garbage.clear()
         gc.collect()
+
+
+def test_summary_shows_each_shape_of_cycle_once_with_a_count():
+    def leak_many():
+        for _ in range(5):
+            node_pair(64)
+        AwaitableTensorWithViewCallback(AwaitableTensor(100), 10).wait()
+
+    found = watched(leak_many)
+    assert len(found) == 6
+    assert len({r.shape for r in found}) == 2
+    text = found.summary()
+    assert text.startswith("6 reference cycle(s) holding tensors")
+    assert text.count("The loop:") == 2
+    assert "(and 4 more cycle(s) of the same shape, 2.00 KiB)" in text
+    assert "closure cell 'self'" in text
+
+
+def test_bound_method_stored_on_its_instance_is_a_loop_of_two():
+    class Holder:
+        def __init__(self):
+            self.tensor = torch.zeros(32)
+            self.callback = self.run
+
+        def run(self):
+            return self.tensor
+
+    found = watched(Holder)
+    assert [r.labels for r in found] == [[".callback", "__self__"]]

@@ -1,5 +1,6 @@
 """`gclab grade` on hostile or broken submissions, with a tiny course of its own."""
 import shutil
+import time
 from pathlib import Path
 
 import nbformat
@@ -73,12 +74,29 @@ def test_hostile_submissions_get_a_score_and_a_reason(course, tmp_path):
     assert wrong.score == 0 and wrong.tests[0].status == "failed"
 
 
-def test_a_notebook_that_times_out_as_a_whole_is_stopped(course, tmp_path):
-    path = _submit(course, tmp_path, "slow", "import time\ntime.sleep(600)")
-    [result] = grading.grade([path], root=course, timeout=20)
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"                   # a zombie has stopped; only its exit status is left
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_kernel(course, tmp_path, monkeypatch, fork):
+    monkeypatch.setenv("GCLAB_GRADE_FORK", fork)      # a job forked from the fork server, or a subprocess
+    pid_file = tmp_path / "kernel.pid"
+    path = _submit(course, tmp_path, "slow", f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                                             "time.sleep(600)")
+    [result] = grading.grade([path], root=course, timeout=15)
     assert result.score == 0
     assert all(t.status == "timeout" for t in result.tests)
-    assert "longer than 20 s" in result.reason
+    assert "longer than 15 s" in result.reason
+    kernel = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(kernel) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(kernel), "the kernel of a stopped grading job is still running"
 
 
 def test_unreadable_file_is_reported_not_crashed(course, tmp_path):
