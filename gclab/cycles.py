@@ -39,7 +39,7 @@ import objgraph
 import torch
 
 from .memory import format_bytes
-from .refs import _frame_links
+from .refs import frame_local_names
 
 __all__ = ["GraphNode", "GraphEdge", "ObjectGraph", "backref_graph", "ref_graph", "program_objects",
            "reference_label", "describe_object", "garbage_by_type", "draw_graph", "render_png", "show_graph",
@@ -265,9 +265,9 @@ def reference_label(source, target, closure_names: dict | None = None) -> str:
     if isinstance(source, (set, frozenset)):
         return "item"
     if isinstance(source, types.FrameType):
-        for name, value in source.f_locals.items():
-            if value is target:
-                return f"local {name!r}"
+        names = frame_local_names(source, target)
+        if names:
+            return f"local {names[0]!r}"
     for kind, names in _KNOWN_FIELDS.items():
         if isinstance(source, kind):
             for name in names:
@@ -404,19 +404,20 @@ def _namespace_of(owner, obj) -> bool:
     """Is `obj` the dict that holds `owner`'s attributes, or a frame's locals?"""
     if not isinstance(obj, dict) or isinstance(owner, (type, types.ModuleType)):
         return False
-    if isinstance(owner, types.FrameType):
-        return owner.f_locals is obj
+    if isinstance(owner, types.FrameType):     # its locals' snapshot (f_locals is not read: see refs)
+        return (obj is not owner.f_globals and obj is not owner.f_builtins
+                and any(obj is held for held in gc.get_referents(owner)))
     return bool(getattr(type(owner), "__dictoffset__", 0)) and getattr(owner, "__dict__", None) is obj
 
 
-def _fold_namespaces(pairs, seen: dict, roots: set, namespace_of=_namespace_of) -> list:
+def _fold_namespaces(pairs, seen: dict, roots: set) -> list:
     """Fold each instance's __dict__ into the instance: `obj -> its __dict__ -> x` becomes
     `obj -> x` (labelled `.name`).  Python 3.10 always has that dict, 3.11+ only once
     something asks for it; folded, the graph reads the same on every version.  The same
     for the snapshot of a frame's locals that reading `frame.f_locals` leaves on 3.11-3.12
     (objgraph reads it to label references)."""
     owner = {t: s for s, t in pairs if t not in roots and s in seen and t in seen
-             and namespace_of(seen[s], seen[t])}
+             and _namespace_of(seen[s], seen[t])}
     for key in owner:
         del seen[key]
     folded = [(owner.get(s, s), owner.get(t, t)) for s, t in pairs if owner.get(t) != s]
@@ -654,7 +655,7 @@ def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor) -> l
     attribute can be blamed for.  `tensor_test` decides what counts as a tensor.
     """
     seen = {f"o{id(obj)}": obj for obj in garbage if type(obj) not in weakref.ProxyTypes}
-    pairs = _fold_namespaces(_garbage_pairs(seen), seen, set(), _instance_dict_of)
+    pairs = _fold_namespaces(_garbage_pairs(seen), seen, set())
     following = {key: [] for key in seen}
     for source, target in pairs:
         following[source].append(target)
@@ -706,16 +707,10 @@ def _namespaces(seen: dict):
                 pass
 
 
-def _instance_dict_of(owner, obj) -> bool:
-    # frames left out: telling their locals snapshot apart would read f_locals (see _edge_label)
-    return not isinstance(owner, types.FrameType) and _namespace_of(owner, obj)
-
-
 def _edge_label(source, target, closure_names: dict) -> str:
-    if isinstance(source, types.FrameType):
-        # before 3.13 reading frame.f_locals stores a lasting copy of the locals on the frame
-        return "f_back" if source.f_back is target else _frame_links(source, target)[0].strip()
     label = reference_label(source, target, closure_names)
+    if not label and isinstance(source, types.FrameType):
+        return "(a local variable)"
     if not label and getattr(type(target), "__dictoffset__", 0) and not isinstance(target, type):
         # `source` holds `target.__dict__`, which was folded into `target`
         namespace = getattr(target, "__dict__", None)

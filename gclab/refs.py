@@ -116,18 +116,22 @@ def links(parent, child) -> list[str]:
     return [f" -> {type(child).__name__}"]
 
 
-def _frame_links(frame, child) -> list[str]:
+def frame_local_names(frame, child) -> list[str]:
+    """The names of `frame`'s local variables that hold `child`.  Before 3.13 reading
+    frame.f_locals would store a copy of the frame's locals on it, which frame.clear()
+    (and so traceback.clear_frames) leaves alone: there only a copy that already exists is
+    read, and [] comes back when there is none."""
     if sys.version_info >= (3, 13):      # f_locals is a live view (PEP 667): reading it stores nothing
-        found = _dict_links(dict(frame.f_locals), child)
+        snapshots = [dict(frame.f_locals)]
     else:
-        # Reading f_locals here would store a copy of the frame's locals on the frame, which
-        # frame.clear() (and so traceback.clear_frames) leaves alone: use a copy only if one exists.
-        found = []
         shared = (frame.f_globals, frame.f_builtins)
-        for snapshot in gc.get_referents(frame):
-            if type(snapshot) is dict and not any(snapshot is d for d in shared):
-                found = found or _dict_links(snapshot, child)
-    return [".f_locals" + key for key in found] or [" (a local variable)"]
+        snapshots = [d for d in gc.get_referents(frame) if type(d) is dict and not any(d is s for s in shared)]
+    return list(dict.fromkeys(name for snapshot in snapshots
+                              for name, value in list(snapshot.items()) if value is child))
+
+
+def _frame_links(frame, child) -> list[str]:
+    return [f".f_locals[{name!r}]" for name in frame_local_names(frame, child)] or [" (a local variable)"]
 
 
 def _is_class_dict(cls: type, mapping: dict) -> bool:
