@@ -94,3 +94,15 @@ def assert_less_than_full_marks(result, max_score):
     assert result.max_score == max_score, grading.format_results([result])
     assert result.score < max_score, grading.format_results([result])
     assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"
+
+
+def write_locked_cells_edited(release: Path, answers, folder: Path) -> Path:
+    """A student variant whose locked test cells were replaced by `pass` (the grader must
+    restore them); returns its path."""
+    edited = student_variant(release, answers)
+    for cell in edited.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade"):
+            cell.source = "pass"
+    path = folder / f"edits_locked_cells-{release.name}"
+    nbformat.write(edited, path)
+    return path

@@ -2,12 +2,11 @@
 import json
 import re
 
-import nbformat
 import pytest
 
 from lesson_support import (
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, grade_all,
-    plots_drawn, printed_text, problems, student_variant, write_variants,
+    plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
 from gclab import grading
@@ -68,12 +67,7 @@ WRONG = {
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
-    edited = student_variant(RELEASE, LEAKY.format(extra=""))
-    for cell in edited.cells:   # edit the locked test cells: the grader must restore them
-        if cell.metadata.get("nbgrader", {}).get("grade"):
-            cell.source = "pass"
-    paths["edits_locked_cells"] = folder / "edits_locked_cells-03_node_leak.ipynb"
-    nbformat.write(edited, paths["edits_locked_cells"])
+    paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, LEAKY.format(extra=""), folder)
     return grade_all(paths, folder)
 
 
