@@ -249,7 +249,7 @@ def tampering(source: str, context: tuple[str, ...] = (), tools: dict[str, str] 
                   and isinstance(func.value, ast.Attribute) and func.value.attr == "callbacks"
                   and _root_name(func.value) in guarded):
                 found.append(ast.unparse(node))
-    return found
+    return list(dict.fromkeys(found))   # a line caught by two rules is listed once
 
 
 def _student_sources(nb) -> list[str]:
@@ -459,7 +459,7 @@ def _grade_submission(root, course, assignment, student, path, stem, result, tim
                            and c.metadata.get("nbgrader", {}).get("locked"))
     patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell, tools)]
     if patched:
-        result.reason = "the submission modifies the grader's tools: " + "; ".join(patched[:3])
+        result.reason = "the submission modifies the grader's tools: " + "; ".join(list(dict.fromkeys(patched))[:3])
         result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
         return
     folder = course / "submitted" / student / assignment

@@ -167,6 +167,13 @@ def test_rebinding_a_tool_the_locked_cells_imported_is_detected(source):
     assert grading.tampering(source, tools=tools)
 
 
+def test_a_line_caught_by_two_rules_is_listed_once():
+    tools = grading.imported_tools([SETUP])
+    line = "checks.assert_flat = lambda report: None"
+    assert grading.tampering(line, context=("from gclab import checks", line), tools=tools) == [
+        "checks.assert_flat = lambda report: None"]
+
+
 @pytest.mark.parametrize("source", [
     "import gc\nimport torch",
     "from gclab import checks",

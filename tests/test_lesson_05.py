@@ -1,0 +1,137 @@
+"""Lesson 05 end to end: the solution runs clean, and grading accepts only a real fix."""
+import re
+
+import pytest
+
+from lesson_support import (
+    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
+    grade_all, plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
+)
+
+from gclab import grading
+
+SOLUTION = ROOT / "solutions" / "05_training_loop_leaks" / "05_training_loop_leaks.ipynb"
+RELEASE = ROOT / "notebooks" / "05_training_loop_leaks" / "05_training_loop_leaks.ipynb"
+POINTS = 10
+
+TRAINER = '''
+class Trainer:
+    def __init__(self):
+        self.model = make_model()
+        self.optimizer = make_optimizer(self.model)
+        self.history = []
+        self.metrics = []
+        self.errors = []
+        self.last_output = None
+
+    def train_step(self, step):
+        x, y = get_batch(step)
+        try:
+            output = self.model(x)
+            self.last_output = {last_output}
+            loss = F.cross_entropy(output, y)
+            check_finite(loss, step)
+        except FloatingPointError as error:
+            self.errors.append({error})
+            return None
+        self.optimizer.zero_grad()
+        {backward}
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
+        self.optimizer.step()
+        {keep}
+        {extra}
+        return {returned}
+'''
+
+KEEP_TENSORS = ('self.history.append(loss)\n        '
+                'self.metrics.append({"step": step, "loss": loss, "grad_norm": grad_norm})')
+KEEP_NUMBERS = ('self.history.append(loss.item())\n        '
+                'self.metrics.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item()})')
+
+
+def trainer(last_output="output.detach()", error="error.with_traceback(None)", backward="loss.backward()",
+            keep=KEEP_NUMBERS, extra="pass", returned="loss.item()"):
+    return TRAINER.format(last_output=last_output, error=error, backward=backward, keep=keep, extra=extra, returned=returned)
+
+
+def leaky(extra="pass"):
+    return trainer(last_output="output", error="error", keep=KEEP_TENSORS, extra=extra, returned="loss")
+
+
+# Plausible wrong fixes (and hostile submissions): none may earn full marks.
+WRONG = {
+    "collects_every_step": leaky(extra="gc.collect()"),
+    # every leak fixed but the stored errors' frames, with del and empty_cache() to "free" them
+    "del_and_empty_cache": trainer(error="error", extra="del output, x, y\n        "
+                                                       "if torch.cuda.is_available(): torch.cuda.empty_cache()"),
+    "detaches_before_backward": trainer(backward="loss = loss.detach()\n        loss.backward()"),
+    "drops_history_and_metrics": trainer(keep="pass"),
+    "keeps_detached_tensors": trainer(keep='self.history.append(loss.detach())\n        self.metrics.append('
+                                           '{"step": step, "loss": loss.detach(), "grad_norm": grad_norm.detach()})'),
+    "patches_the_grader": leaky() + "\nchecks.assert_flat = lambda report: None\n",
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
+    paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, leaky(), folder)
+    return grade_all(paths, folder)
+
+
+def test_solution_notebook_runs_clean_on_cpu(graded):
+    """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
+    executed = graded["solution"].executed
+    assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
+    text = printed_text(executed)
+    assert re.search(r"val_losses\.append\(val_loss\) +12\.75 MiB more than the clean loop", text)
+    assert "544.01 KiB per trained step" in text and "576.01 KiB per corrupt step" in text
+    assert text.count("gc.collect() found 0 objects") == 5, "the collector frees none of the leaks"
+    assert "the meter: 557,064 B per kept monitoring loss" in text, "the graph's saved tensors explain the meter's count"
+    assert re.search(r"a +64\.00 MiB tensor: tracemalloc saw \d{2,3} bytes", text)
+    assert text.count("(flat from the first step on)") == 5
+    assert "output.detach().cpu() shares the output's memory: True" in text
+    assert plots_drawn(executed) >= 4
+
+
+def test_solution_earns_full_marks(graded):
+    assert_full_marks(graded["solution"], POINTS)
+
+
+def test_untouched_student_notebook_earns_nothing(graded):
+    assert_no_marks_until_answered(graded["untouched"], POINTS)
+    assert all("Trainer is not defined yet" in t.message for t in graded["untouched"].tests)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG) + ["edits_locked_cells"])
+def test_wrong_fix_does_not_earn_full_marks(graded, name):
+    assert_less_than_full_marks(graded[name], POINTS)
+
+
+def test_wrong_fixes_are_told_why(graded):
+    def message(name, test_id):
+        return cell_result(graded[name], test_id).message
+
+    assert "collector ran" in message("collects_every_step", "test_memory_flat")
+    assert "should return the loss as a number" in message("collects_every_step", "test_still_learns")
+    assert "did not return to its baseline" in message("del_and_empty_cache", "test_memory_flat")
+    assert "did not return to its baseline" in message("keeps_detached_tensors", "test_memory_flat")
+    assert "history should hold numbers" in message("keeps_detached_tensors", "test_dashboard")
+    assert "history" in message("drops_history_and_metrics", "test_dashboard")
+    for test in graded["detaches_before_backward"].tests:      # told, not crashed
+        assert test.status == "failed" and "RuntimeError" in test.message, test
+    assert "modifies the grader" in graded["patches_the_grader"].reason
+
+
+def test_partial_fixes_keep_the_points_they_earn(graded):
+    """A fix that is right but for one leak (errors kept with their frames) loses only the memory test's points."""
+    result = graded["del_and_empty_cache"]
+    assert result.score == POINTS - 4, grading.format_results([result])
+    assert cell_result(result, "test_still_learns").status == "passed"
+
+
+def test_edited_locked_cells_are_restored_before_grading(graded):
+    result = graded["edits_locked_cells"]
+    assert result.score == 0, "the original tests must run, not the student's `pass`"
+    assert "did not return to its baseline" in cell_result(result, "test_memory_flat").message
