@@ -1,5 +1,8 @@
 """`gclab grade` on hostile or broken submissions, with a tiny course of its own."""
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,9 +85,14 @@ def _running(pid: int) -> bool:
     return state != "Z"                   # a zombie has stopped; only its exit status is left
 
 
-@pytest.mark.parametrize("fork", ["1", "0"])
-def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_kernel(course, tmp_path, monkeypatch, fork):
-    monkeypatch.setenv("GCLAB_GRADE_FORK", fork)      # a job forked from the fork server, or a subprocess
+def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _running(pid)
+
+
+def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_kernel(course, tmp_path):
     pid_file = tmp_path / "kernel.pid"
     path = _submit(course, tmp_path, "slow", f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
                                              "time.sleep(600)")
@@ -92,11 +100,22 @@ def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_kernel(course,
     assert result.score == 0
     assert all(t.status == "timeout" for t in result.tests)
     assert "longer than 15 s" in result.reason
-    kernel = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _running(kernel) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(kernel), "the kernel of a stopped grading job is still running"
+    assert _stopped_in_time(int(pid_file.read_text())), "the kernel of a stopped grading job is still running"
+
+
+def test_a_job_run_as_a_subprocess_is_stopped_with_what_it_started(tmp_path, monkeypatch):
+    """Without the fork server (GCLAB_GRADE_FORK=0, or no fork server on the platform) a job
+    is a subprocess; a timeout stops it and the processes it started (its kernel)."""
+    monkeypatch.setenv("GCLAB_GRADE_FORK", "0")
+    assert grading._fork_server() is None
+    pid_file = tmp_path / "child.pid"
+    job = ("import subprocess, sys, time\n"
+           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+           f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+           "time.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        grading._run([sys.executable, "-c", job], tmp_path, timeout=3)
+    assert _stopped_in_time(int(pid_file.read_text())), "the job's child is still running"
 
 
 def test_unreadable_file_is_reported_not_crashed(course, tmp_path):
@@ -187,12 +206,12 @@ def test_importing_or_using_the_tools_again_is_fine(source):
 
 def test_grade_command_prints_json_per_notebook_in_order(course, tmp_path):
     import json
-    import subprocess
-    import sys
     right = _submit(course, tmp_path, "cli", "def double(x):\n    return 2 * x")
     wrong = _submit(course, tmp_path, "cli2", "def double(x):\n    return x")
+    # each job a subprocess of its own, as where there is no fork server: grading needs neither
     done = subprocess.run([sys.executable, "-m", "gclab", "--course", str(course), "grade", str(right), str(wrong),
-                           "--json", "--jobs", "2"], capture_output=True, text=True, timeout=300)
+                           "--json", "--jobs", "2"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, GCLAB_GRADE_FORK="0"))
     assert done.returncode == 0, done.stderr
     first, second = json.loads(done.stdout)
     assert first["notebook"] == str(right) and second["notebook"] == str(wrong)

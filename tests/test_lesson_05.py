@@ -5,7 +5,7 @@ import pytest
 
 from lesson_support import (
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
-    grade_all, plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
+    grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
 from gclab import grading
@@ -76,7 +76,6 @@ WRONG = {
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
-    paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, leaky(), folder)
     return grade_all(paths, folder)
 
 
@@ -104,7 +103,7 @@ def test_untouched_student_notebook_earns_nothing(graded):
     assert all("Trainer is not defined yet" in t.message for t in graded["untouched"].tests)
 
 
-@pytest.mark.parametrize("name", sorted(WRONG) + ["edits_locked_cells"])
+@pytest.mark.parametrize("name", sorted(WRONG))
 def test_wrong_fix_does_not_earn_full_marks(graded, name):
     assert_less_than_full_marks(graded[name], POINTS)
 
@@ -130,8 +129,3 @@ def test_partial_fixes_keep_the_points_they_earn(graded):
     assert result.score == POINTS - 4, grading.format_results([result])
     assert cell_result(result, "test_still_learns").status == "passed"
 
-
-def test_edited_locked_cells_are_restored_before_grading(graded):
-    result = graded["edits_locked_cells"]
-    assert result.score == 0, "the original tests must run, not the student's `pass`"
-    assert "did not return to its baseline" in cell_result(result, "test_memory_flat").message

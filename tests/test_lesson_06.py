@@ -1,8 +1,9 @@
 """Lesson 06 end to end: the solution runs clean, and grading accepts only a GC policy that meets
 the latency budget, runs no full collection inside a request and still collects the garbage.
 
-The solution, and the wrong policy whose verdict rests on timing, are graded one at a time (the
-hidden test times requests); the others, whose verdicts rest on counts, two at a time."""
+The solution is graded alone (the hidden test times requests, and its pass must not depend on a
+quiet machine); the wrong policies two at a time: noise can only slow a policy down, and each
+fails by far more than noise (collecting after every request puts its P99 over 10x the budget)."""
 import pytest
 from lesson_support import (
     ROOT, assert_full_marks, assert_no_marks_until_answered, plots_drawn, printed_text, problems,
@@ -34,7 +35,7 @@ WRONG = {
 }
 
 
-TIMED = ("solution", "collect_after_every_request")
+TIMED = ("solution",)
 
 
 @pytest.fixture(scope="module")
