@@ -161,6 +161,13 @@ class _CpuStorageTracker(TorchDispatchMode):
         self._collections = 0             # collections seen so far
         self._collections_at_sweep = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Torch wraps a mode's __torch_dispatch__ so that torch.compile never traces it,
+        # and that wrapper imports torch._dynamo (over a second) on its first call.  The
+        # meter measures eager code and does not run under torch.compile: no wrapper.
+        return False
+
     def __enter__(self):
         gc.callbacks.append(self._on_gc)
         return super().__enter__()

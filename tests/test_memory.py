@@ -733,3 +733,13 @@ def test_describe_device_says_the_cpu_budget_is_simulated():
     text = describe_device("cpu")
     assert "simulated" in text and "CPU" in text
     assert Meter("cpu").describe() == text
+
+
+def test_metering_does_not_import_torch_compile():
+    """torch._dynamo takes over a second to import; every lesson's kernel meters, none compiles."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\nfrom gclab.memory import Meter\nwith Meter('cpu') as m:\n"
+            "    (torch.ones(4) * 2).sum()\nprint(any(name.startswith('torch._dynamo') for name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
