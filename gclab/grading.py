@@ -82,11 +82,25 @@ def _fork_server():
     milliseconds instead of paying nbgrader's seconds-long import for every submission;
     it is still a process of its own, with its own limits, stopped like a subprocess."""
     import multiprocessing
-    if os.environ.get("GCLAB_GRADE_FORK") == "0" or "forkserver" not in multiprocessing.get_all_start_methods():
+    if (os.environ.get("GCLAB_GRADE_FORK") == "0" or "forkserver" not in multiprocessing.get_all_start_methods()
+            or _main_would_run_again()):
         return None
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["gclab._nbgrader_preload"])
     return context
+
+
+def _main_would_run_again() -> bool:
+    """Would a forked job import this program's main module again (as multiprocessing does
+    for a script, or a module run with -m that is not a package's __main__)?  A script
+    without an `if __name__ == "__main__":` guard would then grade again inside the job."""
+    from multiprocessing import spawn
+    data = spawn.get_preparation_data("gclab-grade")
+    if "init_main_from_name" in data:
+        name = data["init_main_from_name"]
+        return not (name == "__main__" or name.endswith(".__main__"))
+    path = data.get("init_main_from_path")
+    return path is not None and os.path.splitext(os.path.basename(path))[0] != "ipython"
 
 
 def _run_forked(context, argv, timeout=None) -> subprocess.CompletedProcess:

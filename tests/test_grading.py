@@ -220,6 +220,18 @@ def test_grade_command_prints_json_per_notebook_in_order(course, tmp_path):
     assert second["score"] == 1
 
 
+def test_a_script_without_a_main_guard_grades_right(course, tmp_path):
+    """multiprocessing would run such a script again in every forked job; grading must not."""
+    path = _submit(course, tmp_path, "script", "def double(x):\n    return 2 * x")
+    script = tmp_path / "grade_my_class.py"
+    script.write_text("from pathlib import Path\nfrom gclab import grading\nprint('top level ran')\n"
+                      f"[result] = grading.grade([Path({str(path)!r})], root=Path({str(course)!r}))\n"
+                      "print('score', result.score)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["top level ran", "score 2.0"]
+
+
 def test_grade_command_rejects_a_missing_file(tmp_path):
     import subprocess
     import sys
