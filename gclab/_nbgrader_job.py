@@ -55,17 +55,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_forked(argv, log_path: str, bin_dir: str) -> None:
+def run_forked(argv, log_path: str, environment: dict) -> None:
     """The same job in a process forked from the grading fork server: a session of its own
-    (so a timeout can stop it and the kernel it started), output into `log_path`, the
-    environment a subprocess job gets (the Python's bin folder first on PATH, warnings off)."""
+    (so a timeout can stop it and the kernel it started), output into `log_path`, and the
+    `environment` changes a subprocess job gets (grading._job_environment)."""
     os.setsid()
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    os.environ["PYTHONWARNINGS"] = "ignore"
+    os.environ.update(environment)
     warnings.simplefilter("ignore")
     try:
         code = main(argv)

@@ -46,21 +46,31 @@ def lessons(root: Path) -> list[str]:
 
 def _run(cmd, cwd, timeout=None) -> subprocess.CompletedProcess:
     """Run a command; on timeout kill it and every process it started, then raise TimeoutExpired."""
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONWARNINGS="ignore")
     # a session of its own, so that a timeout can stop nbgrader and the kernel it started
-    with subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, start_new_session=True) as proc:
+    with subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, **_job_environment()), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_session(proc.pid)
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _job_environment() -> dict:
+    """What a grading job's environment changes: this Python's bin folder first on PATH
+    (nbgrader and the kernel), Python warnings off."""
+    return {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+            "PYTHONWARNINGS": "ignore"}
+
+
+def _kill_session(pid: int) -> None:
+    """Kill a job and every process it started (it leads a session of its own)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout=None,
@@ -110,14 +120,11 @@ def _run_forked(context, argv, timeout=None) -> subprocess.CompletedProcess:
     with tempfile.NamedTemporaryFile(prefix="gclab-job-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
     try:
-        job = context.Process(target=run_forked, args=(argv, str(log_path), os.path.dirname(sys.executable)))
+        job = context.Process(target=run_forked, args=(argv, str(log_path), _job_environment()))
         job.start()
         job.join(timeout)
         if job.is_alive():
-            try:
-                os.killpg(job.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_session(job.pid)
             job.join()
             raise subprocess.TimeoutExpired(argv, timeout)
         return subprocess.CompletedProcess(argv, job.exitcode, log_path.read_text(errors="replace"), "")
