@@ -55,7 +55,9 @@ def assert_untampered() -> None:
 # -- memory flat ---------------------------------------------------------------------
 @dataclass
 class FlatReport:
-    """What happened while `step` ran repeatedly with the automatic collector off."""
+    """What happened while `step` ran repeatedly: first with the automatic collector off, then
+    (`collector_on` iterations) with it on, so that code which leaks only while the collector
+    runs (or checks `gc.isenabled()`) is caught too."""
     device: torch.device
     iterations: int
     growth: list[int] = field(default_factory=list)          # bytes above baseline after each iteration
@@ -63,24 +65,37 @@ class FlatReport:
     results: list = field(default_factory=list)
     reenabled_gc: bool = False
     error: BaseException | None = None
+    collector_on: int = 0                                      # iterations asked for with the collector on
+    growth_collector_on: list[int] = field(default_factory=list)
 
     @property
     def leaked(self) -> int:
-        return max(self.growth, default=0)
+        return max(self.growth + self.growth_collector_on, default=0)
+
+    @property
+    def _on_path_ok(self) -> bool:
+        # collections may run on this path and free older garbage, so memory may end below its baseline
+        return len(self.growth_collector_on) == self.collector_on and all(g <= 0 for g in self.growth_collector_on)
 
     @property
     def ok(self) -> bool:
         return (self.error is None and len(self.growth) == self.iterations
-                and all(g == 0 for g in self.growth) and not self.collections and not self.reenabled_gc)
+                and all(g == 0 for g in self.growth) and not self.collections and not self.reenabled_gc
+                and self._on_path_ok)
 
     def explain(self) -> str:
         if self.ok:
+            also = (f", and after each of {self.collector_on} more with the collector on"
+                    if self.collector_on else "")
             return (f"memory was back at its baseline after each of {self.iterations} iterations "
-                    f"on {self.device}, with the collector off and no collection: reference counting alone frees it.")
+                    f"on {self.device}, with the collector off and no collection{also}: reference counting "
+                    "alone frees it.")
         lines = []
         if self.error is not None:
-            lines.append(f"the step raised {type(self.error).__name__}: {self.error} "
-                         f"(after {len(self.growth)} of {self.iterations} iterations)")
+            where = (f"after {len(self.growth)} of {self.iterations} iterations"
+                     if len(self.growth) < self.iterations else
+                     f"after {len(self.growth_collector_on)} of {self.collector_on} iterations with the collector on")
+            lines.append(f"the step raised {type(self.error).__name__}: {self.error} ({where})")
         bad = [(i, g) for i, g in enumerate(self.growth, 1) if g != 0]
         if bad:
             first_i, first_g = bad[0]
@@ -99,6 +114,14 @@ class FlatReport:
                 "counting alone, without gc.collect() or the automatic collector.")
         if self.reenabled_gc:
             lines.append("the step switched the automatic collector back on (gc.enable()).")
+        held_on = [(i, g) for i, g in enumerate(self.growth_collector_on, 1) if g > 0]
+        if held_on and not bad:
+            i, g = held_on[0]
+            lines.append(
+                f"with the collector switched on, memory was {format_bytes(g)} above its baseline after "
+                f"iteration {i} of {len(self.growth_collector_on)}: the code keeps tensors alive when the "
+                "collector is on (does it behave differently depending on gc.isenabled()?). A fix must "
+                "free memory by reference counting whether the collector is on or off.")
         return " ".join(lines)
 
 
@@ -111,15 +134,22 @@ def _plain(value):
     return value
 
 
-def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0) -> FlatReport:
-    """Call `step(i)` for i in range(warmup + iterations) with the automatic collector off.
+def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
+                   collector_on: int | None = None) -> FlatReport:
+    """Call `step(i)` for i in range(warmup + iterations) with the automatic collector off, then
+    `collector_on` more times (default: a quarter of `iterations`, at least 2) with it on.
 
     The meter's baseline is taken after the warm-up iterations; after every measured
-    iteration memory must be back at that baseline, to the byte, and no collection
-    (automatic or explicit) may run.  The collector's previous state is restored after.
+    iteration with the collector off memory must be back at that baseline, to the byte, and
+    no collection (automatic or explicit) may run.  With the collector on, collections may
+    run, but memory must still be back at (or below) its baseline after every iteration:
+    a fix must not depend on the collector being off.  The collector's previous state is
+    restored after.
     """
+    if collector_on is None:
+        collector_on = max(2, iterations // 4)
     meter = Meter(device)
-    report = FlatReport(device=meter.device, iterations=iterations)
+    report = FlatReport(device=meter.device, iterations=iterations, collector_on=collector_on)
     watch = GCWatch()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -136,13 +166,31 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0) -> 
                         if gc.isenabled():
                             report.reenabled_gc = True
                             gc.disable()
+                report.collections = list(watch.collections)
+                if report.ok or (not report.collections and not any(report.growth)):
+                    _run_collector_on(step, meter, report, start=warmup + iterations)
             except Exception as exc:          # reported, not raised: the report says what happened
                 report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
     finally:
         report.collections = list(watch.collections)
         if was_enabled:
             gc.enable()
+        else:
+            gc.disable()
     return report
+
+
+def _run_collector_on(step, meter, report: FlatReport, start: int) -> None:
+    """The collector-on part of `run_flat_check`: growth after each iteration, collections allowed."""
+    gc.collect()                 # garbage left from before must not be freed inside the measurement
+    baseline = meter.allocated()
+    gc.enable()
+    try:
+        for i in range(start, start + report.collector_on):
+            _plain(step(i))
+            report.growth_collector_on.append(meter.allocated() - baseline)
+    finally:
+        gc.disable()
 
 
 def assert_flat(report: FlatReport) -> None:

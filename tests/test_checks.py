@@ -99,8 +99,31 @@ def test_step_that_reenables_gc_is_reported():
 
 def test_step_runs_with_the_collector_off():
     seen = []
-    run_flat_check(lambda i: seen.append(gc.isenabled()), iterations=3, warmup=2)
-    assert seen == [False] * 5
+    run_flat_check(lambda i: seen.append(gc.isenabled()), iterations=3, warmup=2, collector_on=2)
+    assert seen == [False] * 5 + [True] * 2, "warm-up and measured iterations off, then two with it on"
+
+
+def test_leaks_unless_collector_off_is_caught_with_the_collector_on():
+    kept = []
+
+    def step(i):
+        pair = [torch.zeros(64)]
+        if gc.isenabled():
+            kept.append(pair)             # behaves only while the check has the collector off
+        return float(pair[0].sum())
+
+    report = run_flat_check(step, iterations=8)
+    assert not report.ok and report.growth == [0] * 8
+    assert report.growth_collector_on == [256, 512]
+    assert "with the collector switched on, memory was 256 B above its baseline" in report.explain()
+    assert "gc.isenabled()" in report.explain()
+
+
+def test_a_cycle_freed_by_an_automatic_collection_is_fine_with_the_collector_on():
+    report = run_flat_check(fixed_step, iterations=4, collector_on=3)
+    assert report.ok, report.explain()
+    assert len(report.growth_collector_on) == 3
+    assert "and after each of 3 more with the collector on" in report.explain()
 
 
 def test_step_that_raises_is_reported_not_raised():
@@ -164,7 +187,7 @@ def test_warmup_iterations_are_excluded_from_the_baseline():
     step = make_step()
     warmed = run_flat_check(lambda i: calls.append(i) or step(i), iterations=3, warmup=1)
     assert warmed.ok, warmed.explain()
-    assert calls == [0, 1, 2, 3]
+    assert calls == [0, 1, 2, 3, 4, 5], "one warm-up, three measured, two with the collector on"
     assert warmed.results == [100.0, 200.0, 300.0]
     assert len(warmed.growth) == 3
 
