@@ -146,7 +146,19 @@ def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
     for name in assignments:
         shutil.copytree(root / "solutions" / name, workdir / "solutions" / name,
                         ignore=shutil.ignore_patterns(*ignored_patterns(root)))
+        for path in (workdir / "solutions" / name).glob("*.ipynb"):
+            _strip_hidden_tests(path)
     return workdir
+
+
+def _strip_hidden_tests(path: Path) -> None:
+    """The kernel that runs a submission for the notebook handed back never sees a hidden test
+    (the verdict process runs them): neither the gradebook nor the graded notebook holds one."""
+    nb = nbformat.read(path, 4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade"):
+            cell.source = without_hidden_tests(cell.source)
+    nbformat.write(nb, path)
 
 
 def build_release(root: Path, out: Path, assignments=None) -> Path:
@@ -299,6 +311,7 @@ class NotebookResult:
     assignment: str = ""
     reason: str = ""      # why the whole notebook scored what it did, when not the tests' own doing
     executed: str = ""    # where the notebook as graded (with its outputs) was kept, if asked
+    notes: list[str] = field(default_factory=list)    # what happened running the notebook handed back
 
     def as_dict(self):
         return asdict(self)
@@ -349,6 +362,162 @@ def _all_tests(source_nb, status, message) -> list[TestResult]:
             for c in _grade_cells(source_nb)]
 
 
+# -- the verdict: a process the grader starts and reads ---------------------------------
+_HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS.*?^[ \t]*### END HIDDEN TESTS[ \t]*\n?", re.M | re.S)
+
+
+def without_hidden_tests(source: str) -> str:
+    """A test cell as a learner may see it: its hidden part removed."""
+    return _HIDDEN.sub("", source)
+
+
+def _meta(cell) -> dict:
+    return cell.metadata.get("nbgrader", {}) if cell.cell_type == "code" else {}
+
+
+def _answers_of(submitted) -> dict:
+    """The learner's answer cells, by grade_id (a cell whose metadata was stripped is not one)."""
+    return {_meta(c)["grade_id"]: c.source for c in submitted.cells
+            if _meta(c).get("solution") and _meta(c).get("grade_id")}
+
+
+def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
+    """What the verdict process runs: the source's set-up and given cells and its test cells
+    (hidden parts included), with the submission's answer cells in their places."""
+    import secrets
+    answers = _answers_of(submitted_nb)
+    cells, tests, missing = [], [], []
+    for cell in source_nb.cells:
+        meta = _meta(cell)
+        if meta.get("solution"):
+            grade_id = meta["grade_id"]
+            if grade_id not in answers:
+                missing.append(grade_id)
+            cells.append({"kind": "answer", "id": grade_id,
+                          "source": answers.get(grade_id, "raise NotImplementedError()")})
+        elif meta.get("grade"):
+            tests.append({"id": meta["grade_id"], "source": cell.source, "points": float(meta.get("points", 0))})
+        elif meta.get("locked"):
+            cells.append({"kind": "given", "id": meta.get("grade_id", "given"), "source": cell.source})
+    return {"token": secrets.token_hex(16), "workdir": str(workdir), "cells": cells, "tests": tests,
+            "missing_answers": missing, "hidden": [str(h) for h in hidden]}
+
+
+def _limits(memory_limit):
+    """Resource limits for a grading process (run in the child before it executes)."""
+    def apply():
+        import resource
+        if memory_limit:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 1024**3, 2 * 1024**3))
+    return apply
+
+
+class _Channel:
+    """The verdict process's JSON lines, read with deadlines; lines without the job's token
+    (the learner's code writing to the channel) are counted as forged."""
+
+    LIMIT = 1 << 20
+
+    def __init__(self, fd: int, token: str):
+        self.fd, self.token, self.buffer, self.forged, self.closed = fd, token, b"", 0, False
+
+    def next(self, deadline: float):
+        import select
+        import time
+        while True:
+            line, sep, rest = self.buffer.partition(b"\n")
+            if sep:
+                self.buffer = rest
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    message = None
+                if not isinstance(message, dict) or message.get("token") != self.token:
+                    self.forged += 1
+                    continue
+                return message
+            if self.closed or len(self.buffer) > self.LIMIT:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return "timeout"
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                self.closed = True
+            self.buffer += chunk
+
+
+def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None) -> dict:
+    """Run the verdict process (again after a test that timed out or killed it, for the tests
+    left) and return {test id: TestResult}."""
+    results, remaining = {}, list(job["tests"])
+    while remaining:
+        outcome = _run_verdict_once({**job, "tests": remaining}, cell_timeout, memory_limit)
+        results.update(outcome)
+        done = [t for t in remaining if t["id"] in outcome]
+        if not done:
+            break
+        remaining = [t for t in remaining if t["id"] not in outcome]
+    return results
+
+
+def _run_verdict_once(job, cell_timeout, memory_limit) -> dict:
+    import time
+    points = {t["id"]: t["points"] for t in job["tests"]}
+    read_end, write_end = os.pipe()
+    env = dict(os.environ, **_job_environment())
+    proc = subprocess.Popen([sys.executable, "-m", "gclab.verdict", str(write_end)], cwd=job["workdir"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            pass_fds=(write_end,), start_new_session=True, preexec_fn=_limits(memory_limit))
+    os.close(write_end)
+    channel = _Channel(read_end, job["token"])
+    results = {}
+
+    def result(test_id, status, message):
+        results[test_id] = TestResult(test_id, points[test_id] if status == "passed" else 0.0,
+                                      points[test_id], status, message)
+    try:
+        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.close()
+        startup = time.monotonic() + 120 + cell_timeout * (1 + len([c for c in job["cells"] if c["kind"] == "answer"]))
+        current, deadline = None, startup
+        while len(results) < len(job["tests"]):
+            message = channel.next(deadline)
+            if message == "timeout" or message is None:
+                how = ("took longer than the time limit" if message == "timeout"
+                       else "ended before reporting (it crashed, was killed, ran out of memory or exited)")
+                if current is None:
+                    for test in job["tests"]:
+                        result(test["id"], "timeout" if message == "timeout" else "error",
+                               f"not graded: running your answer cells {how}")
+                else:
+                    result(current, "timeout" if message == "timeout" else "error",
+                           f"the test {how}" + (f" ({cell_timeout:g} s)" if message == "timeout" else ""))
+                break
+            if message.get("event") == "start":
+                current, deadline = message["test"], time.monotonic() + cell_timeout
+            elif message.get("event") == "result" and message.get("test") in points:
+                result(message["test"], message["status"], _with_answer_errors(message))
+                current = None
+    finally:
+        _kill_session(proc.pid)
+        proc.wait()
+        os.close(read_end)
+    if channel.forged:
+        for test_id in results:
+            result(test_id, "tampered", "the submission wrote to the grader's result channel")
+    return results
+
+
+def _with_answer_errors(message: dict) -> str:
+    text = message.get("message", "")
+    errors = message.get("answer_errors") or {}
+    if message.get("status") != "passed" and errors and "is not defined yet" not in text:
+        text += " (your answer cell raised " + "; ".join(f"{k}: {v}" for k, v in errors.items())[:300] + ")"
+    return text
+
+
 # -- grading -------------------------------------------------------------------------
 def assignment_of(path: Path, root: Path) -> tuple[str, str]:
     """(assignment, notebook name) of a submission: by file name, else by its grade cells."""
@@ -379,17 +548,26 @@ def default_memory_limit() -> int | None:
 
 
 def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None | str = "auto",
-          cell_timeout: int | None = None, jobs: int = 1, keep_executed: Path | None = None) -> list[NotebookResult]:
+          cell_timeout: int | None = None, jobs: int = 1, keep_executed: Path | None = None,
+          notebook: bool | None = None) -> list[NotebookResult]:
     """Grade each submitted notebook; see the module docstring.
+
+    The score comes from a verdict process the grader starts for each submission
+    (`gclab.verdict`): the lesson's own set-up, given and test cells with the learner's
+    answer cells, the grader's tools loaded and guarded before the learner's code runs.
+    With `notebook` (default: when `keep_executed` is given) the submission is also run as
+    nbgrader runs it, hidden tests removed, for the notebook handed back.
 
     `memory_limit` caps the address space of nbgrader and the kernel it starts, so that a
     submission that allocates without end gets a MemoryError in its cell (and a score)
     instead of taking the machine down; "auto" is `default_memory_limit()`, None no limit.
     `jobs` notebooks are graded at once, each in a course folder of its own (nbgrader's
     SQLite gradebook is not safe to share); keep 1 for lessons whose tests time things.
-    With `keep_executed`, each notebook as graded, outputs and hidden tests included, is
-    copied into that folder and its path set in `NotebookResult.executed`.
+    With `keep_executed`, each notebook as run (outputs included, no hidden test) is copied
+    into that folder and its path set in `NotebookResult.executed`.
     """
+    if notebook is None:
+        notebook = keep_executed is not None
     if memory_limit == "auto":
         memory_limit = default_memory_limit()
     paths = [Path(p) for p in paths]
@@ -405,7 +583,7 @@ def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int
         def grade_entry(entry):
             student, path, assignment, stem, result = entry
             _grade_submission(root, Path(tmp) / student, assignment, student, path, stem, result,
-                              timeout, memory_limit, cell_timeout)
+                              timeout, memory_limit, cell_timeout, notebook)
             graded = Path(tmp) / student / "autograded" / student / assignment / f"{stem}.ipynb"
             if keep_executed and graded.is_file():
                 Path(keep_executed).mkdir(parents=True, exist_ok=True)
@@ -424,7 +602,7 @@ def _source_key(root: Path, assignment: str) -> str:
     """A hash of everything generation depends on: the config, the lesson's files, nbgrader."""
     import hashlib
     from importlib.metadata import version
-    digest = hashlib.sha256(version("nbgrader").encode())
+    digest = hashlib.sha256(version("nbgrader").encode() + b"hidden tests stripped")
     digest.update((root / CONFIG).read_bytes())
     ignored = ignored_patterns(root)
     for path in sorted((root / "solutions" / assignment).rglob("*")):
@@ -466,9 +644,9 @@ def prepare(root: Path, assignment: str) -> Path:
 
 
 def _grade_submission(root, course, assignment, student, path, stem, result, timeout,
-                      memory_limit, cell_timeout):
+                      memory_limit, cell_timeout, notebook=True):
     shutil.copytree(prepare(root, assignment), course)
-    source_nb = nbformat.read(course / "solutions" / assignment / f"{stem}.ipynb", 4)
+    source_nb = nbformat.read(root / "solutions" / assignment / f"{stem}.ipynb", 4)
     try:
         submitted = nbformat.read(path, 4)
     except Exception as exc:
@@ -483,32 +661,57 @@ def _grade_submission(root, course, assignment, student, path, stem, result, tim
         result.reason = "the submission modifies the grader's tools: " + "; ".join(list(dict.fromkeys(patched))[:3])
         result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
         return
-    folder = course / "submitted" / student / assignment
-    folder.mkdir(parents=True)
-    shutil.copy(path, folder / f"{stem}.ipynb")
-    _autograde_one(course, assignment, student, stem, source_nb, result,
-                   timeout, memory_limit, cell_timeout)
+    _judge(root, course, source_nb, submitted, result, cell_timeout or _cell_timeout(root), memory_limit)
+    if notebook:
+        folder = course / "submitted" / student / assignment
+        folder.mkdir(parents=True)
+        shutil.copy(path, folder / f"{stem}.ipynb")
+        _run_notebook(course, assignment, student, stem, result, timeout, memory_limit, cell_timeout)
 
 
-def _autograde_one(course, assignment, student, stem, source_nb, result, timeout,
-                   memory_limit, cell_timeout):
+def _cell_timeout(root: Path) -> int:
+    from traitlets.config.loader import PyFileConfigLoader
+    config = PyFileConfigLoader(CONFIG.name, path=str(root / CONFIG.parent)).load_config()
+    return int(config.Execute.get("timeout", 180))
+
+
+def _judge(root, course, source_nb, submitted, result, cell_timeout, memory_limit) -> None:
+    """Score every test cell from the verdict process's results."""
+    workdir = course / "verdict"
+    workdir.mkdir(parents=True, exist_ok=True)
+    job = verdict_job(source_nb, submitted, workdir, hidden=[root])
+    verdicts = run_verdict(job, cell_timeout=cell_timeout, memory_limit=memory_limit)
+    result.tests = [verdicts.get(t.id, TestResult(t.id, 0.0, t.max_score, "error",
+                                                 "not graded: the grading process ended before this test"))
+                    for t in _all_tests(source_nb, "", "")]
+    tampered = [t.message for t in result.tests if t.status == "tampered"]
+    if tampered:
+        result.reason = "the submission modifies the grader's tools: " + tampered[0]
+        for t in result.tests:
+            t.status, t.score, t.message = "error", 0.0, "not graded: " + result.reason
+    elif job["missing_answers"]:
+        result.reason = ("the submission has no answer cell " + ", ".join(job["missing_answers"])
+                         + " (deleted, or its cell metadata removed): a fresh copy of the lesson keeps them")
+    elif all(t.status == "timeout" for t in result.tests) and result.tests:
+        result.reason = result.tests[0].message
+
+
+def _run_notebook(course, assignment, student, stem, result, timeout, memory_limit, cell_timeout):
+    """Run the submission as nbgrader does (in a kernel, hidden tests removed), for the
+    notebook handed back; its outputs do not change the score."""
     try:
         done = _nbgrader_job(course, assignment, student=student, cell_timeout=cell_timeout,
                              timeout=timeout, memory_limit=memory_limit)
         log = done.stdout
     except subprocess.TimeoutExpired:
-        result.reason = f"grading took longer than {timeout} s and was stopped"
-        result.tests = _all_tests(source_nb, "timeout", result.reason)
+        result.notes.append(f"running the notebook took longer than {timeout} s and was stopped")
         return
     graded = course / "autograded" / student / assignment / f"{stem}.ipynb"
     if not graded.exists():
         died = "kernel died" in log.lower() or "DeadKernelError" in log
-        result.reason = ("the kernel died while running the notebook (it crashed, was killed, or ran "
-                         "out of memory)" if died else "nbgrader could not grade the notebook: "
-                         + _last_error_line(log))
-        result.tests = _all_tests(source_nb, "error", result.reason)
-        return
-    result.tests = [_judge_cell(c) for c in _grade_cells(nbformat.read(graded, 4))]
+        result.notes.append("the kernel died while running the notebook (it crashed, was killed, or ran "
+                            "out of memory)" if died else "nbgrader could not run the notebook: "
+                            + _last_error_line(log))
 
 
 def _last_error_line(log: str) -> str:

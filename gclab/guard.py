@@ -1,0 +1,328 @@
+"""Keep a grading process's instruments out of reach of the code it grades.
+
+`install()` runs once, in a process the grader started, before any learner code:
+
+- it takes a manifest of the grader's tools (every attribute of the guarded modules, the
+  members of the classes gclab defines, the code, defaults and closures of gclab's
+  functions, torch.Tensor's methods), so that `Guard.problems()` names whatever was
+  replaced, by any route: an alias, `exec`, `sys.modules`, a module's `__dict__`;
+- it refuses, at once, replacing an attribute of a guarded module;
+- it adds an audit hook (PEP 578: once added, CPython offers no way to remove it) that
+  refuses, to the learner's code, what reaches past the tools: frames (`sys._getframe`, a
+  traceback's or a generator's frame), the collector's object graph (`gc.get_objects`,
+  `get_referrers`, `get_referents`), ctypes, `marshal`, tracing, code of the grader's run
+  with other globals; and, as configured, new processes and signals, writing files outside
+  the working folder, and reading the course's own files (its solutions).
+
+An event is the learner's when a frame of the learner's code is anywhere on the stack;
+code from the standard library, installed packages and gclab, and code the grader compiled
+itself (`Guard.trust`), is the grader's.  What was refused is listed by `problems()`, so a
+grade can say why.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+import types
+
+__all__ = ["Guard", "install", "current"]
+
+GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "torch", "torch.cuda", "numpy")
+_FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
+# library functions that hand frames back to whoever called them
+_FRAME_RETURNING = {("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
+                    ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
+                    ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
+                    ("traceback.py", "_walk_tb_with_full_positions"),
+                    ("base_tasks.py", "_task_get_stack"), ("__init__.py", "<lambda>")}
+_REACHING = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+             "sys.settrace", "sys.setprofile", "sys._getframe", "marshal.loads", "marshal.load",
+             "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function", "ctypes.addressof",
+             "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
+             "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
+             "cpython.PyInterpreterState_Clear", "sys._getframemodulename"}
+_PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                   "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"}
+_FILE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+                "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move",
+                "os.setxattr", "os.removexattr"}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+_current = None
+
+
+def current():
+    """The guard installed in this process, or None."""
+    return _current
+
+
+def install(workdir=None, processes: bool = False, files: bool = True, hidden=()) -> "Guard":
+    """Install the guard (once per process; later calls return the first one).
+
+    `workdir`: the folder the learner's code may write to (default: the current one);
+    `processes`: may the learner's code start processes and send signals;  `files`: refuse
+    writes outside `workdir`;  `hidden`: folders the learner's code may not read (the course:
+    its solutions and hidden tests), gclab's own package excepted."""
+    global _current
+    if _current is None:
+        _current = Guard(workdir or os.getcwd(), processes, files, hidden)
+        _current._arm()
+    return _current
+
+
+def _library_roots() -> tuple:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots |= {os.path.dirname(os.__file__), os.path.dirname(os.path.abspath(__file__))}
+    roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    return tuple(sorted({os.path.realpath(r) + os.sep for r in roots}))
+
+
+class Guard:
+    def __init__(self, workdir, processes: bool, files: bool, hidden=()):
+        self.workdir = os.path.realpath(workdir) + os.sep
+        self.processes, self.files = processes, files
+        self.gclab_dir = os.path.dirname(os.path.realpath(__file__)) + os.sep
+        self.hidden = tuple(os.path.realpath(h) + os.sep for h in hidden)
+        self.refused: list = []
+        self._roots = _library_roots()
+        self._trusted_codes: dict = {}
+        self._file_trust: dict = {}
+        self._busy = threading.local()
+        self._modules = self._guarded_modules()
+        self._manifest = self._take_manifest()
+
+    # -- what the grader's tools are -------------------------------------------------------
+    @staticmethod
+    def _guarded_modules() -> dict:
+        names = list(GUARDED_MODULES) + sorted(n for n in sys.modules if n == "gclab" or n.startswith("gclab."))
+        return {n: sys.modules[n] for n in names if isinstance(sys.modules.get(n), types.ModuleType)}
+
+    def _take_manifest(self) -> list:
+        """(what, how to read it now, what it was) for every tool."""
+        entries = []
+        for name, module in self._modules.items():
+            entries.append((f"sys.modules[{name!r}]", lambda n=name: sys.modules.get(n), module))
+            namespace = vars(module)
+            for attr, value in list(namespace.items()):
+                if name == "sys" and attr not in ("modules", "audit", "addaudithook", "_getframe", "exit"):
+                    continue            # sys holds streams and settings ordinary code changes
+                if name == "os" and attr != "environ" and not callable(value):
+                    continue
+                if name == "gclab.guard" and attr == "_current":
+                    continue
+                entries.append((f"{name}.{attr}", lambda ns=namespace, a=attr: ns.get(a, _MISSING), value))
+                if name.startswith("gclab") and getattr(value, "__module__", None) == name:
+                    entries += self._definition(f"{name}.{attr}", value)
+        torch = self._modules.get("torch")
+        if torch is not None:
+            members = vars(torch.Tensor)
+            entries += [(f"torch.Tensor.{a}", lambda a=a: members.get(a, _MISSING), v) for a, v in list(members.items())]
+        return entries
+
+    def _definition(self, qualname, value) -> list:
+        if isinstance(value, type):
+            members = vars(value)
+            entries = [(f"{qualname}.{a}", lambda a=a: members.get(a, _MISSING), m) for a, m in list(members.items())]
+            for attr, member in list(members.items()):
+                function = getattr(member, "__func__", getattr(member, "fget", member))
+                if isinstance(function, types.FunctionType):
+                    entries += self._function(f"{qualname}.{attr}", function)
+            return entries
+        if isinstance(value, types.FunctionType):
+            return self._function(qualname, value)
+        return []
+
+    @staticmethod
+    def _function(qualname, function) -> list:
+        entries = [(f"{qualname}.{a}", lambda a=a: getattr(function, a), getattr(function, a))
+                   for a in ("__code__", "__defaults__", "__kwdefaults__")]
+        for i, cell in enumerate(function.__closure__ or ()):
+            try:
+                entries.append((f"{qualname} (closure)", lambda c=cell: c.cell_contents, cell.cell_contents))
+            except ValueError:
+                pass
+        return entries
+
+    def replaced(self) -> list:
+        """The grader's tools that are no longer what they were when the guard was installed."""
+        self._busy.depth = getattr(self._busy, "depth", 0) + 1
+        try:
+            return [what for what, now, was in self._manifest if _read(now) is not was]
+        finally:
+            self._busy.depth -= 1
+
+    def problems(self) -> list:
+        """What says the learner's code reached for the grader: replaced tools and refused
+        actions, in words, each once."""
+        return list(dict.fromkeys([f"{what} was replaced" for what in self.replaced()] + self.refused))
+
+    # -- whose code is running ---------------------------------------------------------------
+    def trust(self, code: types.CodeType) -> types.CodeType:
+        """Mark `code`, and the functions and classes it defines, as the grader's."""
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            self._trusted_codes[id(c)] = c
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        return code
+
+    def _library_file(self, filename) -> bool:
+        known = self._file_trust.get(filename)
+        if known is None:
+            if filename.startswith("<frozen "):
+                known = True
+            elif filename.startswith("<") or not filename:
+                known = False
+            else:
+                real = os.path.realpath(filename)
+                known = real.startswith(self._roots) and not real.startswith(self.workdir)
+            self._file_trust[filename] = known
+        return known
+
+    def _grader_frame(self, frame) -> bool:
+        code = frame.f_code
+        return id(code) in self._trusted_codes or self._library_file(code.co_filename)
+
+    def learner_on_stack(self, frame) -> bool:
+        while frame is not None:
+            if not self._grader_frame(frame):
+                return True
+            frame = frame.f_back
+        return False
+
+    # -- the audit hook --------------------------------------------------------------------
+    def _arm(self) -> None:
+        for module in self._modules.values():
+            if type(module) is types.ModuleType:
+                module.__class__ = _LockedModule
+        getframe, busy = sys._getframe, self._busy
+
+        def hook(event, args):
+            if getattr(busy, "depth", 0):
+                return
+            busy.depth = 1
+            try:
+                refusal = self._judge(event, args, getframe(1))
+            finally:
+                busy.depth = 0
+            if refusal:
+                self.refused.append(refusal)
+                error = PermissionError if (event == "open" or event in _FILE_EVENTS) else RuntimeError
+                raise error(f"refused while grading: {refusal}")
+        sys.addaudithook(hook)
+
+    def _judge(self, event, args, frame):
+        if event in _REACHING:
+            if self._library_reads_frame(frame) or not self.learner_on_stack(frame):
+                return None
+            return f"{event} (reaching into the grader's objects)"
+        if event == "object.__getattr__":
+            if (args[1] in _FRAME_ATTRIBUTES and not self._library_reads_frame(frame)
+                    and self.learner_on_stack(frame)):
+                return f"reading {type(args[0]).__name__}.{args[1]} (a frame of the grader's code)"
+            return None
+        if event == "object.__setattr__":
+            if self._is_tool(args[0]) and self.learner_on_stack(frame):
+                return f"setting {getattr(args[0], '__qualname__', type(args[0]).__name__)}.{args[1]}"
+            return None
+        if event == "exec":
+            if id(args[0]) in self._trusted_codes and self.learner_on_stack(frame):
+                return "running the grader's code with the learner's globals"
+            return None
+        if event in ("compile", "code.__new__"):
+            filename = os.fsdecode(args[1]) if isinstance(args[1], (str, bytes)) else ""
+            if filename.startswith("/") and self._library_file(filename) and self.learner_on_stack(frame):
+                return f"{event} of code that claims to be {filename}"
+            return None
+        if event in _PROCESS_EVENTS:
+            if not self.processes and self.learner_on_stack(frame):
+                return f"{event} (a submission may not start processes or send signals while graded)"
+            return None
+        if event == "open" or event in _FILE_EVENTS:
+            return self._judge_file(event, args, frame)
+        return None
+
+    def _judge_file(self, event, args, frame):
+        path = args[0]
+        if isinstance(path, int) or path is None:
+            return None
+        try:
+            real = os.path.realpath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return None
+        inside = (real + os.sep).startswith(self.workdir)
+        writes = event != "open" or (isinstance(args[1], str) and any(c in args[1] for c in "wax+")) or (
+            args[1] is None and isinstance(args[2], int) and bool(args[2] & _WRITE_FLAGS))
+        if writes and self.files and not inside and not real.startswith("/dev/"):
+            if self.learner_on_stack(frame):
+                return f"writing {real} (outside the grading folder)"
+        elif (not inside and (real + os.sep).startswith(self.hidden) and not self._library_file(real)
+              and not (real + os.sep).startswith(self.gclab_dir) and self.learner_on_stack(frame)):
+            return f"reading {real} (the course's own files)"
+        return None
+
+    def _is_tool(self, target) -> bool:
+        if isinstance(target, types.ModuleType):
+            return target.__name__ in self._modules
+        code = getattr(target, "__code__", None)
+        return isinstance(code, types.CodeType) and (
+            self._library_file(code.co_filename) or id(code) in self._trusted_codes)
+
+    def _library_reads_frame(self, frame) -> bool:
+        """Library code that reads a frame for its own use (logging's caller lookup, traceback
+        formatting, namedtuple's module name) and hands no frame to the learner's code."""
+        if frame is None or not self._library_file(frame.f_code.co_filename):
+            return False
+        where = (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name)
+        if where not in _FRAME_RETURNING:
+            return True
+        consumer = frame.f_back          # who gets the frames: a library, or the learner
+        return consumer is not None and self._library_reads_frame(consumer)
+
+
+def _read(getter):
+    try:
+        return getter()
+    except Exception:
+        return _MISSING
+
+
+class _Missing:
+    def __repr__(self):
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+class _LockedModule(types.ModuleType):
+    """A guarded module: the learner's code cannot replace or delete its attributes (new
+    ones, such as a submodule imported later, may be added)."""
+
+    def __setattr__(self, name, value):
+        if name in vars(self) and vars(self)[name] is not value and _learner_is_calling():
+            _current.refused.append(f"replacing {self.__name__}.{name}")
+            raise AttributeError(f"{self.__name__}.{name} is one of the grader's tools: it cannot be "
+                                 "replaced while grading")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if _learner_is_calling():
+            _current.refused.append(f"deleting {self.__name__}.{name}")
+            raise AttributeError(f"{self.__name__}.{name} is one of the grader's tools: it cannot be "
+                                 "deleted while grading")
+        super().__delattr__(name)
+
+
+def _learner_is_calling() -> bool:
+    guard = _current
+    if guard is None:
+        return False
+    guard._busy.depth = getattr(guard._busy, "depth", 0) + 1
+    try:
+        return guard.learner_on_stack(sys._getframe(2))
+    finally:
+        guard._busy.depth -= 1

@@ -1,0 +1,115 @@
+"""The process that decides a submission's grade, out of reach of the learner's code.
+
+    python -m gclab.verdict CHANNEL_FD      (started by gclab.grading; the job arrives on stdin)
+
+The grader starts it in a folder of its own and writes the job to its stdin: the lesson's
+locked set-up and "given" cells and its test cells (hidden tests included) from the
+course's source notebook, the learner's answer cells from the submission, and a random
+token.  The process reads the job, loads the grader's instruments, installs
+`gclab.guard` (which takes their manifest and refuses the learner's code what reaches past
+them), and only then runs the learner's answer cells, in an IPython shell (magics such as
+`%%writefile` work).  Each test cell runs next as code the grader compiled itself, in a
+namespace of its own, and its outcome goes back on the channel file descriptor as one
+JSON line carrying the token, which the learner's code never sees.  Output of the
+learner's code goes nowhere: nothing of a hidden test is printed, and gigabytes of output
+cost time, not memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _send(channel: int, token: str, **message) -> None:
+    data = (json.dumps({"token": token, **message}) + "\n").encode()
+    while data:
+        data = data[os.write(channel, data):]
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _quiet_and_local(workdir: str) -> None:
+    """Settings of a plain run: a working folder of its own, output nowhere."""
+    os.chdir(workdir)
+    for name in [n for n in os.environ if n.startswith("NBGRADER")]:
+        del os.environ[name]
+    tmp = os.path.join(workdir, ".tmp")
+    os.makedirs(tmp, exist_ok=True)
+    os.environ.update(HOME=workdir, TMPDIR=tmp, MPLCONFIGDIR=tmp, MPLBACKEND="Agg", PYTHONWARNINGS="ignore")
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    sys.dont_write_bytecode = True
+
+
+def _load_instruments():
+    import warnings
+    warnings.simplefilter("ignore")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import gclab.checks, gclab.cycles, gclab.gcwatch, gclab.memory, gclab.plots, gclab.refs, gclab.serving  # noqa: F401,E401
+    from IPython.core.interactiveshell import InteractiveShell
+    return InteractiveShell
+
+
+def run(job: dict, channel: int) -> None:
+    token = job["token"]
+    _quiet_and_local(job["workdir"])
+    shell_class = _load_instruments()
+    from gclab import guard
+    shell = shell_class.instance()
+    shell.display_pub.publish = lambda *args, **kwargs: None     # plots and displays go nowhere
+    namespace = shell.user_ns
+    keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
+    _send(channel, token, event="ready")
+    answer_errors = {}
+    for cell in job["cells"]:
+        if cell["kind"] == "answer":
+            result = shell.run_cell(cell["source"], store_history=False, silent=True)
+            error = result.error_in_exec or result.error_before_exec
+            if error is not None:
+                answer_errors[cell["id"]] = _describe(error)
+        else:
+            code = keeper.trust(compile(cell["source"], f"<{cell['id']}>", "exec"))
+            exec(code, namespace)
+    for test in job["tests"]:
+        _send(channel, token, event="start", test=test["id"])
+        outcome = _run_test(keeper, test, namespace)
+        _send(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
+    _send(channel, token, event="done")
+
+
+def _run_test(keeper, test: dict, namespace: dict) -> dict:
+    code = keeper.trust(compile(test["source"], f"<test {test['id']}>", "exec"))
+    before = set(keeper.problems())
+    try:
+        exec(code, dict(namespace))
+        outcome = {"status": "passed", "message": ""}
+    except AssertionError as error:
+        outcome = {"status": "failed", "message": str(error).strip() or "a hidden check failed"}
+    except BaseException as error:        # the learner's code may raise anything, SystemExit included
+        outcome = {"status": "error", "message": _describe(error)}
+    problems = keeper.problems()
+    if problems:
+        new = [p for p in problems if p not in before] or problems
+        outcome = {"status": "tampered", "message": "; ".join(new[:3])}
+    return outcome
+
+
+def main() -> int:
+    channel = int(sys.argv[1])
+    job = json.loads(sys.stdin.read())
+    run(job, channel)
+    os._exit(0)        # the learner's objects may have finalizers: nothing of theirs runs after the verdict
+
+
+if __name__ == "__main__":
+    sys.exit(main())
