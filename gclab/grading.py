@@ -66,11 +66,30 @@ def _job_environment() -> dict:
 
 
 def _kill_session(pid: int) -> None:
-    """Kill a job and every process it started (it leads a session of its own)."""
+    """Kill a job and every process it started: its supervisor first ends the processes that
+    left the job's session (see _nbgrader_job.supervised), then the session goes."""
+    import time
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(50):
+            time.sleep(0.05)
+            os.kill(pid, 0)
+            if _is_zombie(pid):
+                break
+    except (ProcessLookupError, PermissionError):
+        pass
     try:
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout=None,
@@ -448,12 +467,13 @@ class _Channel:
             self.buffer += chunk
 
 
-def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None) -> dict:
+def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None, timeout: float = 900) -> dict:
     """Run the verdict process (again after a test that timed out or killed it, for the tests
-    left) and return {test id: TestResult}."""
-    results, remaining = {}, list(job["tests"])
+    left) and return {test id: TestResult}; `timeout` bounds it all."""
+    import time
+    results, remaining, end = {}, list(job["tests"]), time.monotonic() + timeout
     while remaining:
-        outcome = _run_verdict_once({**job, "tests": remaining}, cell_timeout, memory_limit)
+        outcome = _run_verdict_once({**job, "tests": remaining}, cell_timeout, memory_limit, end, timeout)
         results.update(outcome)
         done = [t for t in remaining if t["id"] in outcome]
         if not done:
@@ -462,7 +482,9 @@ def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None) -> dict
     return results
 
 
-def _run_verdict_once(job, cell_timeout, memory_limit) -> dict:
+def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
+    """One verdict process: a runaway answer cell or test is interrupted (SIGINT, as nbgrader
+    does) and the next one runs; one that does not stop is killed with the process."""
     import time
     points = {t["id"]: t["points"] for t in job["tests"]}
     read_end, write_end = os.pipe()
@@ -480,26 +502,32 @@ def _run_verdict_once(job, cell_timeout, memory_limit) -> dict:
     try:
         proc.stdin.write(json.dumps(job).encode())
         proc.stdin.close()
-        startup = time.monotonic() + 120 + cell_timeout * (1 + len([c for c in job["cells"] if c["kind"] == "answer"]))
-        current, deadline = None, startup
+        running, deadline, interrupted = None, time.monotonic() + 120 + cell_timeout, False
         while len(results) < len(job["tests"]):
-            message = channel.next(deadline)
-            if message == "timeout" or message is None:
-                how = ("took longer than the time limit" if message == "timeout"
-                       else "ended before reporting (it crashed, was killed, ran out of memory or exited)")
-                if current is None:
-                    for test in job["tests"]:
-                        result(test["id"], "timeout" if message == "timeout" else "error",
-                               f"not graded: running your answer cells {how}")
-                else:
-                    result(current, "timeout" if message == "timeout" else "error",
-                           f"the test {how}" + (f" ({cell_timeout:g} s)" if message == "timeout" else ""))
+            message = channel.next(min(deadline, end))
+            if message == "timeout" and time.monotonic() >= end:
+                for test in job["tests"]:
+                    if test["id"] not in results:
+                        result(test["id"], "timeout", f"not graded: grading took longer than {timeout:g} s and was stopped")
                 break
-            if message.get("event") == "start":
-                current, deadline = message["test"], time.monotonic() + cell_timeout
-            elif message.get("event") == "result" and message.get("test") in points:
-                result(message["test"], message["status"], _with_answer_errors(message))
-                current = None
+            if message == "timeout" and running is not None and not interrupted:
+                os.kill(proc.pid, signal.SIGINT)        # as nbgrader interrupts a runaway cell
+                deadline, interrupted = time.monotonic() + 10, True
+                continue
+            if message == "timeout" or message is None:
+                _report_stop(result, job, running, message == "timeout", cell_timeout, proc)
+                break
+            event = message.get("event")
+            if event in ("answer", "start"):
+                running = (event, message.get("cell") or message.get("test"))
+                deadline, interrupted = time.monotonic() + cell_timeout, False
+            elif event == "result" and message.get("test") in points:
+                status = message["status"]
+                text = _with_answer_errors(message)
+                if status == "timeout":
+                    text = f"the test ran past the time limit ({cell_timeout:g} s) and was interrupted"
+                result(message["test"], status, text)
+                running = None
     finally:
         _kill_session(proc.pid)
         proc.wait()
@@ -508,6 +536,18 @@ def _run_verdict_once(job, cell_timeout, memory_limit) -> dict:
         for test_id in results:
             result(test_id, "tampered", "the submission wrote to the grader's result channel")
     return results
+
+
+def _report_stop(result, job, running, timed_out, cell_timeout, proc):
+    """The verdict process stopped answering: say which cell it was running, and why."""
+    how = (f"ran past the time limit ({cell_timeout:g} s) and did not stop when interrupted" if timed_out
+           else "ended the process that ran it (it crashed, exited, was killed or ran out of memory)")
+    if running is not None and running[0] == "start":
+        result(running[1], "timeout" if timed_out else "error", f"the test {how}")
+        return
+    where = f"your answer cell {running[1]}" if running else "starting the grader"
+    for test in job["tests"]:
+        result(test["id"], "timeout" if timed_out else "error", f"not graded: {where} {how}")
 
 
 def _with_answer_errors(message: dict) -> str:
@@ -661,7 +701,7 @@ def _grade_submission(root, course, assignment, student, path, stem, result, tim
         result.reason = "the submission modifies the grader's tools: " + "; ".join(list(dict.fromkeys(patched))[:3])
         result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
         return
-    _judge(root, course, source_nb, submitted, result, cell_timeout or _cell_timeout(root), memory_limit)
+    _judge(root, course, source_nb, submitted, result, cell_timeout or _cell_timeout(root), memory_limit, timeout)
     if notebook:
         folder = course / "submitted" / student / assignment
         folder.mkdir(parents=True)
@@ -675,25 +715,25 @@ def _cell_timeout(root: Path) -> int:
     return int(config.Execute.get("timeout", 180))
 
 
-def _judge(root, course, source_nb, submitted, result, cell_timeout, memory_limit) -> None:
+def _judge(root, course, source_nb, submitted, result, cell_timeout, memory_limit, timeout) -> None:
     """Score every test cell from the verdict process's results."""
     workdir = course / "verdict"
     workdir.mkdir(parents=True, exist_ok=True)
     job = verdict_job(source_nb, submitted, workdir, hidden=[root])
-    verdicts = run_verdict(job, cell_timeout=cell_timeout, memory_limit=memory_limit)
+    verdicts = run_verdict(job, cell_timeout=cell_timeout, memory_limit=memory_limit, timeout=timeout)
     result.tests = [verdicts.get(t.id, TestResult(t.id, 0.0, t.max_score, "error",
                                                  "not graded: the grading process ended before this test"))
                     for t in _all_tests(source_nb, "", "")]
     tampered = [t.message for t in result.tests if t.status == "tampered"]
     if tampered:
-        result.reason = "the submission modifies the grader's tools: " + tampered[0]
+        result.reason = "the submission tampers with grading: " + tampered[0]
         for t in result.tests:
             t.status, t.score, t.message = "error", 0.0, "not graded: " + result.reason
     elif job["missing_answers"]:
         result.reason = ("the submission has no answer cell " + ", ".join(job["missing_answers"])
                          + " (deleted, or its cell metadata removed): a fresh copy of the lesson keeps them")
-    elif all(t.status == "timeout" for t in result.tests) and result.tests:
-        result.reason = result.tests[0].message
+    elif result.tests and len({t.message for t in result.tests}) == 1 and result.tests[0].message.startswith("not graded: "):
+        result.reason = result.tests[0].message.removeprefix("not graded: ")
 
 
 def _run_notebook(course, assignment, student, stem, result, timeout, memory_limit, cell_timeout):

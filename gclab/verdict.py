@@ -73,6 +73,7 @@ def run(job: dict, channel: int) -> None:
     answer_errors = {}
     for cell in job["cells"]:
         if cell["kind"] == "answer":
+            _send(channel, token, event="answer", cell=cell["id"])
             result = shell.run_cell(cell["source"], store_history=False, silent=True)
             error = result.error_in_exec or result.error_before_exec
             if error is not None:
@@ -95,6 +96,8 @@ def _run_test(keeper, test: dict, namespace: dict) -> dict:
         outcome = {"status": "passed", "message": ""}
     except AssertionError as error:
         outcome = {"status": "failed", "message": str(error).strip() or "a hidden check failed"}
+    except KeyboardInterrupt:
+        outcome = {"status": "timeout", "message": "the test ran past the time limit and was interrupted"}
     except BaseException as error:        # the learner's code may raise anything, SystemExit included
         outcome = {"status": "error", "message": _describe(error)}
     problems = keeper.problems()

@@ -52,29 +52,151 @@ def _submit(course, tmp_path, name, answer):
     return path
 
 
-def test_hostile_submissions_get_a_score_and_a_reason(course, tmp_path):
-    subs = {
+def _raw(tmp_path, name, text):
+    path = tmp_path / f"{name}-toy.ipynb"
+    path.write_text(text)
+    return path
+
+
+def _variant(tmp_path, name, edit):
+    nb = _lesson("def double(x):\n    return 2 * x")
+    edit(nb)
+    path = tmp_path / f"{name}-toy.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def _strip_metadata(nb):
+    for cell in nb.cells:
+        cell.metadata = {}
+
+
+def _emptied_tests(nb):
+    nb.cells[1].source = "def double(x):\n    return x + 2"
+    for cell in nb.cells[2:]:
+        cell.source = "pass"
+
+
+def _deleted_tests(nb):
+    nb.cells[1].source = "def double(x):\n    return x + 2"
+    del nb.cells[2:]
+
+
+def _other_lesson(nb):
+    for cell in nb.cells:
+        if "nbgrader" in cell.metadata:
+            cell.metadata["nbgrader"]["grade_id"] = "other_" + cell.metadata["nbgrader"]["grade_id"]
+
+
+def _tree_digest(folder: Path) -> dict:
+    import hashlib
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and "work" not in p.relative_to(folder).parts}
+
+
+IGNORES_INTERRUPTS = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass"
+
+
+@pytest.fixture(scope="module")
+def hostile(course, tmp_path_factory):
+    """Every hostile or broken submission graded in one run, beside a right and an untouched one."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    pid_file = tmp / "escaped.pid"
+    answers = {
         "right": "def double(x):\n    return 2 * x",
+        "untouched": "raise NotImplementedError()",
         "loops_forever": "def double(x):\n    return 2 * x\nwhile True:\n    pass",
-        "kills_its_kernel": "import os\nos._exit(1)",
-        "wrong": "def double(x):\n    return x + 2",
-        "allocates_without_end": "def double(x):\n    return 2 * x\nblocks = [bytearray(256 * 2**20) for _ in range(64)]",
+        "loops_forever_ignoring_interrupts": IGNORES_INTERRUPTS,
+        "kills_its_process": "import os\nos._exit(1)",
+        "allocates_without_end": "blocks = [bytearray(256 * 2**20) for _ in range(64)]",
+        "prints_gigabytes": "line = 'x' * 2**20\nfor _ in range(2048):\n    print(line)",
+        "fork_bomb": "import os\nwhile True:\n    os.fork()",
+        "writes_into_the_course": (f"open({str(course / 'solutions' / 'toy' / 'toy.ipynb')!r}, 'w').write('{{}}')\n"
+                                   f"open({str(course / 'autograder' / 'gradebook.db')!r}, 'w').write('x')"),
+        "reads_the_solution": ("import json\nnb = json.load(open(" + repr(str(course / "solutions" / "toy" / "toy.ipynb"))
+                               + "))\nexec(nb['cells'][1]['source'])"),
+        "escapes_with_setsid": ("import subprocess\nsubprocess.Popen(['sh', '-c', 'echo $$ > " + str(pid_file)
+                                + "; exec sleep 300'], start_new_session=True)"),
+        "forges_the_result_channel": ("import os\nfor fd in range(3, 64):\n    try:\n"
+                                      "        os.write(fd, b'{\"event\": \"result\", \"test\": \"test_double\", \"status\": \"passed\"}\\n')\n"
+                                      "    except OSError:\n        pass"),
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
+        "wrong": "def double(x):\n    return x + 2",
     }
-    paths = [_submit(course, tmp_path, name, src) for name, src in subs.items()]
-    results = dict(zip(subs, grading.grade(paths, root=course, cell_timeout=10, memory_limit=6 * 1024**3, jobs=2)))
-    assert results["right"].score == 2
-    # the runaway cell is interrupted; the tests after it still run (double was defined first)
-    assert results["loops_forever"].max_score == 2
-    assert results["loops_forever"].score == 2
-    killed = results["kills_its_kernel"]
-    assert killed.score == 0 and "kernel died" in killed.reason
-    assert all(t.status == "error" for t in killed.tests)
-    # the allocation fails inside its own cell (MemoryError) and the tests still run
-    assert results["allocates_without_end"].score == 2
-    assert results["warns"].score == 2, "a Python warning on stderr must not zero a test cell"
-    wrong = results["wrong"]
-    assert wrong.score == 0 and wrong.tests[0].status == "failed"
+    paths = {name: _submit(course, tmp, name, src) for name, src in answers.items()}
+    paths["invalid_json"] = _raw(tmp, "invalid_json", "{ not a notebook")
+    paths["stripped_metadata"] = _variant(tmp, "stripped_metadata", _strip_metadata)
+    paths["emptied_test_cells"] = _variant(tmp, "emptied_test_cells", _emptied_tests)
+    paths["deleted_test_cells"] = _variant(tmp, "deleted_test_cells", _deleted_tests)
+    paths["right_but_deleted_test_cells"] = _variant(tmp, "right_but_deleted_test_cells", lambda nb: nb.cells.__delitem__(slice(2, None)))
+    paths["another_lessons_notebook"] = _variant(tmp, "another_lessons_notebook", _other_lesson)
+    before = _tree_digest(course)
+    started = time.monotonic()
+    graded = grading.grade(list(paths.values()), root=course, cell_timeout=10, memory_limit=6 * 1024**3, jobs=2)
+    return {"results": dict(zip(paths, graded)), "seconds": time.monotonic() - started,
+            "course_before": before, "course_after": _tree_digest(course), "pid_file": pid_file}
+
+
+HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_without_end", "prints_gigabytes",
+           "fork_bomb", "writes_into_the_course", "reads_the_solution", "forges_the_result_channel", "invalid_json",
+           "stripped_metadata", "emptied_test_cells", "deleted_test_cells", "another_lessons_notebook",
+           "escapes_with_setsid"]
+
+
+def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
+    results = hostile["results"]
+    assert results["right"].score == 2, grading.format_results([results["right"]])
+    assert results["untouched"].score == 0
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(hostile, name):
+    result = hostile["results"][name]
+    assert result.max_score == 2 and result.score <= hostile["results"]["untouched"].score, grading.format_results([result])
+    assert all(t.message for t in result.tests), grading.format_results([result])
+
+
+@pytest.mark.parametrize("name, words", [
+    ("loops_forever_ignoring_interrupts", "did not stop when interrupted"),
+    ("kills_its_process", "ended the process that ran it"),
+    ("fork_bomb", "os.fork"),
+    ("writes_into_the_course", "outside the grading folder"),
+    ("reads_the_solution", "the course's own files"),
+    ("escapes_with_setsid", "subprocess.Popen"),
+    ("forges_the_result_channel", "result channel"),
+    ("invalid_json", "not a readable notebook"),
+    ("stripped_metadata", "no answer cell answer"),
+    ("another_lessons_notebook", "no answer cell answer"),
+])
+def test_hostile_submission_reason_names_what_happened(hostile, name, words):
+    result = hostile["results"][name]
+    assert words in result.reason + " ".join(t.message for t in result.tests), grading.format_results([result])
+
+
+def test_the_course_folder_is_intact_after_hostile_submissions(hostile):
+    assert hostile["course_after"] == hostile["course_before"]
+
+
+def test_no_process_a_submission_started_outlives_grading(hostile):
+    pid_file = hostile["pid_file"]
+    assert not pid_file.exists() or not _running(int(pid_file.read_text()))
+
+
+def test_a_runaway_answer_cell_is_interrupted_and_the_tests_still_run(hostile):
+    assert hostile["results"]["loops_forever"].score == 2, "double was defined before the loop"
+
+
+def test_a_python_warning_does_not_zero_a_test(hostile):
+    assert hostile["results"]["warns"].score == 2
+
+
+def test_deleted_test_cells_are_graded_from_the_lesson(hostile):
+    assert hostile["results"]["right_but_deleted_test_cells"].score == 2
+    assert hostile["results"]["wrong"].score == 0 and hostile["results"]["wrong"].tests[0].status == "failed"
+
+
+def test_hostile_submissions_do_not_stall_the_run(hostile):
+    assert hostile["seconds"] < 600, f"grading {len(hostile['results'])} submissions took {hostile['seconds']:.0f} s"
 
 
 def _running(pid: int) -> bool:
@@ -94,12 +216,15 @@ def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
 
 def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_kernel(course, tmp_path):
     pid_file = tmp_path / "kernel.pid"
-    path = _submit(course, tmp_path, "slow", f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+    # the kernel (run for the notebook handed back) may write where it likes; the verdict process may not
+    path = _submit(course, tmp_path, "slow", "import os, time\nif 'NBGRADER_EXECUTION' in os.environ:\n"
+                                             f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
                                              "time.sleep(600)")
-    [result] = grading.grade([path], root=course, timeout=15)
+    [result] = grading.grade([path], root=course, timeout=15, notebook=True)
     assert result.score == 0
     assert all(t.status == "timeout" for t in result.tests)
     assert "longer than 15 s" in result.reason
+    assert any("longer than 15 s" in note for note in result.notes)
     assert _stopped_in_time(int(pid_file.read_text())), "the kernel of a stopped grading job is still running"
 
 
