@@ -382,12 +382,18 @@ def _all_tests(source_nb, status, message) -> list[TestResult]:
 
 
 # -- the verdict: a process the grader starts and reads ---------------------------------
-_HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS.*?^[ \t]*### END HIDDEN TESTS[ \t]*\n?", re.M | re.S)
-
-
 def without_hidden_tests(source: str) -> str:
-    """A test cell as a learner may see it: its hidden part removed."""
-    return _HIDDEN.sub("", source)
+    """A test cell as a learner may see it: its hidden part removed, line by line as
+    nbgrader's ClearHiddenTests does it (so the release is the same either way)."""
+    kept, hidden = [], False
+    for line in source.splitlines():
+        if "### BEGIN HIDDEN TESTS" in line:
+            hidden = True
+        elif "### END HIDDEN TESTS" in line:
+            hidden = False
+        elif not hidden:
+            kept.append(line)
+    return "\n".join(kept)
 
 
 def _meta(cell) -> dict:
