@@ -150,7 +150,7 @@ class Guard:
         """The grader's tools that are no longer what they were when the guard was installed."""
         self._busy.depth = getattr(self._busy, "depth", 0) + 1
         try:
-            return [what for what, now, was in self._manifest if _read(now) is not was]
+            return [what for what, now, was in self._manifest if not _same_tool(what, _read(now), was)]
         finally:
             self._busy.depth -= 1
 
@@ -205,7 +205,11 @@ class Guard:
                 return
             busy.depth = 1
             try:
-                refusal = self._judge(event, args, getframe(1))
+                try:
+                    frame = getframe(1)
+                except ValueError:          # an event raised with no Python frame above it
+                    frame = None
+                refusal = self._judge(event, args, frame)
             finally:
                 busy.depth = 0
             if refusal:
@@ -283,6 +287,20 @@ class Guard:
         return consumer is not None and self._library_reads_frame(consumer)
 
 
+def _same_tool(what: str, now, was) -> bool:
+    """Is `now` still the tool `was`?  Outside gclab, a library may wrap its own function
+    (torch._dynamo wraps torch.manual_seed when an optimizer first runs): a wrapper whose
+    `__wrapped__` is the original, made by library code, is still the tool."""
+    if now is was:
+        return True
+    if what.startswith("gclab"):
+        return False
+    inner = getattr(now, "__wrapped__", None) if not isinstance(now, type(_MISSING)) else None
+    code = getattr(now, "__code__", None)
+    library = _current is not None and code is not None and _current._library_file(code.co_filename)
+    return inner is was and library
+
+
 def _read(getter):
     try:
         return getter()
@@ -303,18 +321,22 @@ class _LockedModule(types.ModuleType):
     ones, such as a submodule imported later, may be added)."""
 
     def __setattr__(self, name, value):
-        if name in vars(self) and vars(self)[name] is not value and _learner_is_calling():
+        if _guarded(self) and name in vars(self) and vars(self)[name] is not value and _learner_is_calling():
             _current.refused.append(f"replacing {self.__name__}.{name}")
             raise AttributeError(f"{self.__name__}.{name} is one of the grader's tools: it cannot be "
                                  "replaced while grading")
         super().__setattr__(name, value)
 
     def __delattr__(self, name):
-        if _learner_is_calling():
+        if _guarded(self) and name in vars(self) and _learner_is_calling():
             _current.refused.append(f"deleting {self.__name__}.{name}")
             raise AttributeError(f"{self.__name__}.{name} is one of the grader's tools: it cannot be "
                                  "deleted while grading")
         super().__delattr__(name)
+
+
+def _guarded(module) -> bool:
+    return _current is not None and _current._modules.get(module.__name__) is module
 
 
 def _learner_is_calling() -> bool:
@@ -323,6 +345,6 @@ def _learner_is_calling() -> bool:
         return False
     guard._busy.depth = getattr(guard._busy, "depth", 0) + 1
     try:
-        return guard.learner_on_stack(sys._getframe(2))
+        return not guard._grader_frame(sys._getframe(2))     # the assignment itself is the learner's
     finally:
         guard._busy.depth -= 1
