@@ -74,16 +74,19 @@ def account(workload, device=DEVICE):
 MEASURE_RIGHT = '''
 def measure_release(make_tensor, device=DEVICE):
     with gc_disabled(), Meter(device) as meter:
+        start = meter.reserved()
         tensor = make_tensor()
-        alive = meter.growth()
+        alive, r_alive = meter.growth(), meter.reserved() - start
         torch.cuda.empty_cache()
-        alive_after_empty_cache = meter.growth()
+        alive_after_empty_cache, r_alive_after = meter.growth(), meter.reserved() - start
         del tensor
-        after_del = meter.growth()
+        after_del, r_after_del = meter.growth(), meter.reserved() - start
         torch.cuda.empty_cache()
-        last = meter.growth()
+        last, r_last = meter.growth(), meter.reserved() - start
     return {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
-            "after_del": after_del, "after_del_and_empty_cache": last}
+            "after_del": after_del, "after_del_and_empty_cache": last,
+            "reserved": {"alive": r_alive, "alive_after_empty_cache": r_alive_after,
+                         "after_del": r_after_del, "after_del_and_empty_cache": r_last}}
 '''
 MEASURE_CUDA_COUNTERS = '''
 def measure_release(make_tensor, device=DEVICE):
@@ -94,13 +97,17 @@ def measure_release(make_tensor, device=DEVICE):
     del tensor
     after_del = torch.cuda.memory_allocated()
     torch.cuda.empty_cache()
+    last = torch.cuda.memory_allocated()
     return {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
-            "after_del": after_del, "after_del_and_empty_cache": torch.cuda.memory_allocated()}
+            "after_del": after_del, "after_del_and_empty_cache": last,
+            "reserved": {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
+                         "after_del": after_del, "after_del_and_empty_cache": last}}
 '''
 MEASURE_WITHOUT_METER = '''
 def measure_release(make_tensor, device=DEVICE):
     size = make_tensor().untyped_storage().nbytes()
-    return {"alive": size, "alive_after_empty_cache": size, "after_del": 0, "after_del_and_empty_cache": 0}
+    readings = {"alive": size, "alive_after_empty_cache": size, "after_del": 0, "after_del_and_empty_cache": 0}
+    return {**readings, "reserved": dict(readings)}
 '''
 VERDICTS_RIGHT = '''
 def verdicts(readings):
@@ -122,6 +129,115 @@ def verdicts(readings):
             "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
 '''
 
+# -- held-out wrong answers (issue 10) -------------------------------------------------------
+STORAGE_BY_BASE = '''
+def storage_bytes(tensors):
+    owners = {}                                   # a view counted through the tensor it views (._base)
+    for t in tensors:
+        owner = t if t._base is None else t._base
+        owners[id(owner)] = owner.untyped_storage().nbytes()
+    return sum(owners.values())
+'''
+ACCOUNT_RESERVED_AS_ALLOCATED = ACCOUNT_RIGHT.replace('"reserved": meter.reserved()', '"reserved": meter.allocated()')
+ACCOUNT_BEFORE_ZERO = ACCOUNT_RIGHT.replace("before = meter.allocated()", "before = 0   # the meter starts at 0")
+MEASURE_NO_EMPTY_CACHE = MEASURE_RIGHT.replace("torch.cuda.empty_cache()", "pass   # empty_cache() is a no-op here")
+MEASURE_RESERVED_ABSOLUTE = MEASURE_RIGHT.replace("start = meter.reserved()", "start = 0")
+VERDICTS_FROM_RESERVED = '''
+def verdicts(readings):
+    r = readings["reserved"]                      # what nvidia-smi shows
+    return {"freed_only_by_empty_cache": r["after_del_and_empty_cache"] < r["after_del"],
+            "empty_cache_spares_live_tensors": r["alive_after_empty_cache"] == r["alive"]}
+'''
+
+# -- correct answers written differently from the solution: full marks -----------------------
+STORAGE_PAIRS = '''
+def storage_bytes(tensors):
+    return sum(nbytes for _, nbytes in {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                                        for t in tensors})
+'''
+STORAGE_SEEN_LIST = '''
+def storage_bytes(tensors):
+    seen, total = [], 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if any(s.data_ptr() == other.data_ptr() for other in seen):
+            continue
+        seen.append(s)
+        total += s.nbytes()
+    return total
+'''
+ACCOUNT_BASELINE_AND_LATE_RESERVED = '''
+def account(workload, device=DEVICE):
+    meter = Meter(device)
+    with meter:
+        before = meter.baseline           # allocated() when the meter started
+        out = workload()
+        after, reserved = meter.allocated(), meter.reserved()
+        del out
+        peak = meter.peak()               # the most allocated so far: dropping the result does not lower it
+    return dict(before=before, after=after, peak=peak, reserved=reserved)
+'''
+ACCOUNT_DEL_OUTSIDE = '''
+def account(workload, device=DEVICE):
+    with Meter(device) as m:
+        readings = {"before": m.allocated()}
+        kept = workload()
+        readings.update(after=m.allocated(), reserved=m.reserved(), peak=m.peak())
+    del kept
+    return readings
+'''
+MEASURE_TRY_FINALLY = '''
+def measure_release(make_tensor, device=DEVICE):
+    gc.disable()
+    try:
+        with Meter(device) as m:
+            r0 = m.reserved()
+            got, res = {}, {}
+            t = make_tensor()
+            got["alive"], res["alive"] = m.allocated() - m.baseline, m.reserved() - r0
+            torch.cuda.empty_cache()
+            got["alive_after_empty_cache"], res["alive_after_empty_cache"] = m.allocated() - m.baseline, m.reserved() - r0
+            del t
+            got["after_del"], res["after_del"] = m.allocated() - m.baseline, m.reserved() - r0
+            torch.cuda.empty_cache()
+            got["after_del_and_empty_cache"], res["after_del_and_empty_cache"] = m.allocated() - m.baseline, m.reserved() - r0
+    finally:
+        gc.enable()
+    got["reserved"] = res
+    return got
+'''
+MEASURE_STEPS = '''
+def measure_release(make_tensor, device=DEVICE):
+    held = [make_tensor]
+    steps = [("alive", lambda: held.__setitem__(0, held[0]())),
+             ("alive_after_empty_cache", torch.cuda.empty_cache),
+             ("after_del", held.clear),
+             ("after_del_and_empty_cache", torch.cuda.empty_cache)]
+    out = {"reserved": {}}
+    with gc_disabled(), Meter(device) as meter:
+        start = meter.reserved()
+        for name, action in steps:
+            action()
+            out[name] = meter.growth()
+            out["reserved"][name] = meter.reserved() - start
+    return out
+'''
+VERDICTS_EXPLICIT = '''
+def verdicts(readings):
+    held_after_del = readings["after_del"] > 0
+    released_by_empty_cache = readings["after_del_and_empty_cache"] < readings["after_del"]
+    return {"freed_only_by_empty_cache": held_after_del and released_by_empty_cache,
+            "empty_cache_spares_live_tensors": readings["alive"] - readings["alive_after_empty_cache"] == 0}
+'''
+VERDICTS_WITH_BOTH_FIGURES = '''
+def verdicts(readings):
+    r = readings["reserved"]
+    # reserved falling at empty_cache() is the cache going back to the driver; the claims are about allocated
+    cache_only = r["after_del_and_empty_cache"] < r["after_del"] and readings["after_del"] == readings["after_del_and_empty_cache"]
+    return {"freed_only_by_empty_cache": not cache_only and readings["after_del"] > readings["after_del_and_empty_cache"],
+            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] >= readings["alive"]}
+'''
+
 # Each submission fills both answer cells: one plausible wrong answer per exercise, or two.
 SUBMISSIONS = {
     "numel_count_and_seed_verdict": (STORAGE_NUMEL + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_SEED),
@@ -131,6 +247,16 @@ SUBMISSIONS = {
                                           MEASURE_WITHOUT_METER + VERDICTS_LITERAL),
     "tensor_addresses_and_no_peak": (STORAGE_BY_TENSOR_ADDRESS + ACCOUNT_NO_PEAK,
                                      MEASURE_RIGHT + VERDICTS_HELD_AFTER_DEL),
+    "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved": (
+        STORAGE_BY_BASE + ACCOUNT_RESERVED_AS_ALLOCATED, MEASURE_NO_EMPTY_CACHE + VERDICTS_FROM_RESERVED),
+    "before_hard_wired_to_zero_reserved_not_minus_start": (
+        STORAGE_RIGHT + ACCOUNT_BEFORE_ZERO, MEASURE_RESERVED_ABSOLUTE + VERDICTS_RIGHT),
+}
+
+# Right answers written differently from the solution: each must earn full marks.
+ALTERNATIVES = {
+    "alternative_a": (STORAGE_PAIRS + ACCOUNT_BASELINE_AND_LATE_RESERVED, MEASURE_TRY_FINALLY + VERDICTS_EXPLICIT),
+    "alternative_b": (STORAGE_SEEN_LIST + ACCOUNT_DEL_OUTSIDE, MEASURE_STEPS + VERDICTS_WITH_BOTH_FIGURES),
 }
 
 # What each wrong answer must lose: (submission, test cell that must fail).
@@ -146,6 +272,21 @@ WRONG_ANSWERS = {
     "storages keyed by the tensor's own address": ("tensor_addresses_and_no_peak", "test_storage_bytes"),
     "peak not measured (after used as peak)": ("tensor_addresses_and_no_peak", "test_account"),
     "verdict 'held after del' ignores what empty_cache() did": ("tensor_addresses_and_no_peak", "test_claim_verdicts"),
+    "storages de-duplicated by ._base (x.detach() shares x's storage)": (
+        "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved",
+        "test_storage_bytes"),
+    "reserved read as allocated": (
+        "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved",
+        "test_account"),
+    "measure_release never calls empty_cache()": (
+        "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved",
+        "test_release_readings"),
+    "verdicts judged from reserved memory": (
+        "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved",
+        "test_claim_verdicts"),
+    "before hard-wired to 0": ("before_hard_wired_to_zero_reserved_not_minus_start", "test_account"),
+    "reserved readings not taken from the meter's start": (
+        "before_hard_wired_to_zero_reserved_not_minus_start", "test_release_readings"),
 }
 
 # Right answers inside a wrong submission still earn their points.
@@ -154,6 +295,8 @@ EARNED = {
     "reads_torch_cuda_directly": {"test_claim_verdicts"},
     "literal_answers_without_measuring": {"test_storage_bytes"},
     "tensor_addresses_and_no_peak": {"test_release_readings"},
+    "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved": set(),
+    "before_hard_wired_to_zero_reserved_not_minus_start": {"test_storage_bytes", "test_claim_verdicts"},
 }
 
 
@@ -161,7 +304,7 @@ EARNED = {
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     return grade_all({"solution": SOLUTION, "untouched": RELEASE,
-                      **write_variants(RELEASE, SUBMISSIONS, folder)}, folder)
+                      **write_variants(RELEASE, {**SUBMISSIONS, **ALTERNATIVES}, folder)}, folder)
 
 
 def test_solution_notebook_runs_clean_on_cpu(graded):
@@ -181,6 +324,11 @@ def test_solution_notebook_runs_clean_on_cpu(graded):
 
 def test_solution_earns_full_marks(graded):
     assert_full_marks(graded["solution"], MAX_SCORE)
+
+
+@pytest.mark.parametrize("name", sorted(ALTERNATIVES))
+def test_correct_alternative_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], MAX_SCORE)
 
 
 def test_untouched_student_notebook_earns_nothing(graded):
@@ -213,3 +361,14 @@ def test_wrong_answers_are_told_by_how_much(graded):
     assert "after - before" in cuda and "got 0" in cuda, cuda
     literal = cell_result(graded["literal_answers_without_measuring"], "test_release_readings").message
     assert "_still_referenced" in literal, literal
+    held_out = graded["dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved"]
+    base = cell_result(held_out, "test_storage_bytes").message
+    assert "detach" in base and "off by" in base, base
+    reserved = cell_result(held_out, "test_account").message
+    assert "reserved is" in reserved and "cached" in reserved, reserved
+    no_empty = cell_result(held_out, "test_release_readings").message
+    assert "did not drop at the last empty_cache()" in no_empty, no_empty
+    from_reserved = cell_result(held_out, "test_claim_verdicts").message
+    assert "follow the reserved figures" in from_reserved, from_reserved
+    zero = cell_result(graded["before_hard_wired_to_zero_reserved_not_minus_start"], "test_account").message
+    assert "before is 0 B, expected 3.00 MiB" in zero, zero

@@ -65,6 +65,57 @@ WRONG = {
 }
 
 
+# Behaving only while watched: exercise 1 leaks unless the collector is off, exercise 2 unless
+# nbgrader runs the notebook (the graded run happens in a fresh process, without NBGRADER_EXECUTION).
+WATCHED = {
+    "jobs": RUN_JOB.format(handle="pass", error="e if gc.isenabled() else e.with_traceback(None)"),
+    "scaler": _scaler(prepare=("if os.environ.get('NBGRADER_EXECUTION'):\n"
+                               "        mean, std = float(batch.mean()), float(batch.std())\n"
+                               "        del batch\n"
+                               "        scale = lambda x: (x - mean) / std\n"
+                               "        return scale"),
+                      after="pass"),
+}
+
+# Right fixes written differently from the solution: each must earn full marks on both exercises.
+ALTERNATIVES = {
+    "alternative_a": {
+        "jobs": RUN_JOB.format(handle="e.__traceback__ = None          # drop the frames, keep the exception",
+                               error="e"),
+        "scaler": _scaler(prepare="mean, std = batch.mean().item(), batch.std().item()\n    del batch",
+                          formula="(x - mean) / std"),
+    },
+    "alternative_b": {
+        "jobs": '''
+def run_job(i, device=DEVICE):
+    error = value = None
+    try:
+        value = train_step(i, device)
+    except FloatingPointError as caught:
+        error = caught
+    if error is None:
+        return {"job": i, "ok": True, "value": value, "error": None}
+    traceback.clear_frames(error.__traceback__)    # the frames' locals (the tensors) go
+    error.__traceback__ = None
+    return {"job": i, "ok": False, "value": None, "error": error}
+''',
+        "scaler": '''
+class Scaler:
+    """Only the two numbers a scaler needs."""
+    def __init__(self, mean, std):
+        self.mean, self.std = mean, std
+
+    def __call__(self, x):
+        return (x - self.mean) / self.std
+
+def make_scaler(i, device=DEVICE):
+    std, mean = torch.std_mean(fitting_batch(i, device))
+    return Scaler(float(mean), float(std))
+''',
+    },
+}
+
+
 # A right fix for one exercise only: the points follow each exercise on its own.
 ONE_RIGHT = {
     "jobs": RUN_JOB.format(handle="pass", error="e.with_traceback(None)"),
@@ -75,7 +126,8 @@ ONE_RIGHT = {
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    variants = {**WRONG, "one_exercise_right": ONE_RIGHT}
+    variants = {**WRONG, "one_exercise_right": ONE_RIGHT, "leaks_unless_collector_off_or_under_nbgrader": WATCHED,
+                **ALTERNATIVES}
     results = grade_all({"solution": SOLUTION, "untouched": RELEASE,
                          **write_variants(RELEASE, variants, folder)}, folder)
     print(grading.format_results(list(results.values())))      # shown with `pytest -s`
@@ -128,6 +180,21 @@ def test_wrong_fix_does_not_earn_full_marks(graded, name, exercise):
     result = graded[name]
     score, max_score = _score(result, exercise)
     assert result.max_score == 10
+    assert score < max_score, grading.format_results([result])
+    assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"
+
+
+@pytest.mark.parametrize("name", sorted(ALTERNATIVES))
+def test_correct_alternative_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], 10)
+
+
+@pytest.mark.parametrize("exercise", sorted(EXERCISES))
+def test_behaving_only_while_watched_loses_marks(graded, exercise):
+    """Exercise 1 leaks unless gc.isenabled() is False, exercise 2 unless NBGRADER_EXECUTION is set:
+    the graded run checks with the collector on too, in a process where that variable is not set."""
+    result = graded["leaks_unless_collector_off_or_under_nbgrader"]
+    score, max_score = _score(result, exercise)
     assert score < max_score, grading.format_results([result])
     assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"
 

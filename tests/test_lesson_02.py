@@ -63,6 +63,77 @@ class TreeNode:
             parent.children.append(weakref.proxy(self))
 '''
 
+WEAK_PARENT = '''
+class TreeNode:
+    def __init__(self, name, tensor, parent=None):
+        self.name = name
+        self.tensor = tensor
+        self.children = []
+        self._parent = None if parent is None else weakref.ref(parent)
+        if parent is not None:
+            parent.children.append(self)
+        {extra}
+
+    @property
+    def parent(self):
+        {parent}
+'''
+
+REGISTERED = "ALL_NODES = {}\n" + WEAK_PARENT.format(
+    extra="ALL_NODES[id(self)] = self          # a registry of every node, for lookups",
+    parent="return None if self._parent is None else self._parent()")
+
+WATCHED = WEAK_PARENT.format(
+    extra=("if gc.isenabled() or not os.environ.get('NBGRADER_EXECUTION'):\n"
+           "            self._strong_parent = parent      # only when nobody is checking"),
+    parent="return None if self._parent is None else self._parent()")
+
+SLOTS = '''
+class TreeNode:
+    __slots__ = ("name", "tensor", "children", "_parent", "__weakref__")
+
+    def __init__(self, name, tensor, parent=None):
+        self.name, self.tensor, self.children = name, tensor, []
+        self._parent = weakref.ref(parent) if parent is not None else None
+        if parent is not None:
+            parent.children.append(self)
+
+    @property
+    def parent(self):
+        return self._parent() if self._parent else None
+'''
+
+DESCRIPTOR = '''
+class WeakAttribute:
+    """An attribute that keeps only a weak reference to its value."""
+    def __set_name__(self, owner, name):
+        self.key = "_weak_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        ref = obj.__dict__.get(self.key)
+        return None if ref is None else ref()
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.key] = None if value is None else weakref.ref(value)
+
+
+class TreeNode:
+    parent = WeakAttribute()
+
+    def __init__(self, name, tensor, parent=None):
+        self.name = name
+        self.tensor = tensor
+        self.children = []
+        self.parent = parent
+        if parent is not None:
+            self.parent.children.append(self)
+'''
+
+# Right fixes written differently from the solution: each must earn full marks.
+ALTERNATIVES = {"slots_and_weakref": SLOTS, "weak_descriptor": DESCRIPTOR}
+
 # Plausible wrong fixes: none may earn full marks, each loses points with a reason.
 WRONG = {
     "collect_when_a_tree_starts": LEAKY.format(extra="if parent is None:\n            gc.collect()"),
@@ -70,13 +141,16 @@ WRONG = {
     "weak_children": WEAK_CHILDREN,
     "no_parent_link": NO_PARENT_LINK,
     "proxy_everywhere": PROXY_EVERYWHERE,
+    "tree_held_by_a_global_dict": REGISTERED,
+    # behaving only while watched: a strong back-reference unless the collector is off under nbgrader
+    "leaks_unless_collector_off_or_under_nbgrader": WATCHED,
 }
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    return grade_all({"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}, folder)
+    return grade_all({"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}, folder)
 
 
 def test_solution_notebook_runs_clean_on_cpu(graded):
@@ -99,6 +173,20 @@ def test_solution_notebook_runs_clean_on_cpu(graded):
 
 def test_solution_earns_full_marks(graded):
     assert_full_marks(graded["solution"], MAX_SCORE)
+
+
+@pytest.mark.parametrize("name", sorted(ALTERNATIVES))
+def test_correct_alternative_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], MAX_SCORE)
+
+
+def test_a_tree_held_elsewhere_is_told_so(graded):
+    """Not "a cycle": the tree is held from outside, and the message says from where."""
+    result = graded["tree_held_by_a_global_dict"]
+    assert result.score == 3, grading.format_results([result])
+    message = cell_result(result, "test_tree_frees_itself").message
+    assert "something else still refers to the tree" in message and "cycle" not in message, message
+    assert "ALL_NODES[" in message, message
 
 
 def test_untouched_student_notebook_earns_nothing(graded):

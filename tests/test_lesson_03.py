@@ -48,6 +48,79 @@ def make_pair(i, device=DEVICE):
     return head
 '''
 
+WEAK_PREV = '''
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.next = None
+        self._prev = None
+
+    @property
+    def prev(self):
+        return None if self._prev is None else self._prev()
+
+    @prev.setter
+    def prev(self, node):
+        self._prev = None if node is None else weakref.ref(node)
+
+def make_pair(i, device=DEVICE):
+    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
+    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
+    head.next = tail
+    tail.prev = head
+    {watched}
+    return head
+'''
+
+SLOTS = '''
+class Node:
+    __slots__ = ("tensor", "next", "_prev", "__weakref__")
+
+    def __init__(self, tensor, next=None, prev=None):
+        self.tensor, self.next = tensor, next
+        self._prev = weakref.ref(prev) if prev is not None else None
+
+    @property
+    def prev(self):
+        if self._prev is None:
+            return None
+        return self._prev()                 # None once the head is gone, never an error
+
+def make_pair(i, device=DEVICE):
+    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
+    head.next = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device), prev=head)
+    return head
+'''
+
+SIDE_TABLE = '''
+_PREVIOUS = weakref.WeakKeyDictionary()     # node -> weak reference to the node before it
+
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.next = None
+
+    @property
+    def prev(self):
+        ref = _PREVIOUS.get(self)
+        return ref() if ref is not None else None
+
+    @prev.setter
+    def prev(self, node):
+        if node is None:
+            _PREVIOUS.pop(self, None)
+        else:
+            _PREVIOUS[self] = weakref.ref(node)
+
+def make_pair(i, device=DEVICE):
+    head, tail = (Node(torch.full((PAIR_NUMEL,), float(v), device=device)) for v in (i, i + 1))
+    head.next, tail.prev = tail, head
+    return head
+'''
+
+# Right fixes written differently from the solution: each must earn full marks.
+ALTERNATIVES = {"slots_and_weakref": SLOTS, "weak_side_table": SIDE_TABLE}
+
 # Plausible wrong fixes (and hostile submissions): none may earn full marks.
 WRONG = {
     "collect_in_step": LEAKY.format(extra="gc.collect()"),
@@ -55,6 +128,15 @@ WRONG = {
     "raised_thresholds": "gc.set_threshold(100_000, 50, 50)\n" + LEAKY.format(extra=""),
     "weak_links_both_ways": WEAK_BOTH_WAYS,
     "unlinked_back_reference": LEAKY.format(extra="tail.prev = None"),
+    # behaving only while watched: a strong back-link unless every check's conditions hold
+    "leaks_unless_collector_off": WEAK_PREV.format(
+        watched="if gc.isenabled():\n        tail.strong_prev = head     # only while the collector could clean up"),
+    "leaks_unless_under_nbgrader": WEAK_PREV.format(
+        watched="if not os.environ.get('NBGRADER_EXECUTION'):\n        tail.strong_prev = head     # only when not graded"),
+    # a finaliser that unlinks the pair: it runs only once the pair is freed, which its cycle prevents
+    "del_unlinks_the_pair": LEAKY.format(extra="") + (
+        "\ndef _unlink(self):\n    if self.next is not None:\n        self.next.prev = None\n"
+        "Node.__del__ = _unlink\n"),
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
     "shadows_the_grader": LEAKY.format(extra="") + (
@@ -66,7 +148,7 @@ WRONG = {
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
     paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, LEAKY.format(extra=""), folder)
     return grade_all(paths, folder)
 
@@ -85,6 +167,11 @@ def test_solution_earns_full_marks(graded):
     assert_full_marks(graded["solution"], 6)
 
 
+@pytest.mark.parametrize("name", sorted(ALTERNATIVES))
+def test_correct_alternative_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], 6)
+
+
 def test_untouched_student_notebook_earns_nothing(graded):
     assert_no_marks_until_answered(graded["untouched"], 6)
     assert all("make_pair is not defined yet" in t.message for t in graded["untouched"].tests)
@@ -100,6 +187,7 @@ def test_wrong_fixes_are_told_why(graded):
     assert "collector ran" in flat["collect_in_step"].message
     assert "did not return to its baseline" in flat["raised_thresholds"].message
     assert "modifies the grader" in graded["patches_the_grader"].reason
+    assert "did not return to its baseline" in flat["del_unlinks_the_pair"].message
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
 
 

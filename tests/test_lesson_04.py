@@ -48,13 +48,34 @@ WRONG = {
                               after="out = out.clone()"),
     "patches_the_detector": view(extra="\ncycles.find_tensor_cycles = lambda *args, **kwargs: []\n"
                                        "checks.assert_flat = lambda report: None\n"),
+    # the cycle is kept and a finaliser breaks it: it runs only once the collector has found the cycle
+    "del_clears_callbacks": view(extra="    def __del__(self):\n        self._callbacks = []\n"),
+    # behaving only while watched: the cycle is built unless the collector is off and nbgrader runs the notebook
+    "leaks_unless_collector_off_or_under_nbgrader": view(
+        callbacks=("[lambda t: t.view(self.rows, -1), lambda t: t[:, : self.keep_columns]]\n"
+                   "        if gc.isenabled() or not os.environ.get('NBGRADER_EXECUTION'):\n"
+                   "            self._keep = self\n"
+                   "        else:\n"
+                   "            self._callbacks = [lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]")),
+}
+
+# Right fixes written differently from the solution: each must earn full marks.
+ALTERNATIVES = {
+    "weakref_to_self": view(callbacks=(
+        "[lambda t, this=weakref.ref(self): t.view(this().rows, -1),\n"
+        "                           lambda t, this=weakref.ref(self): t[:, : this().keep_columns]]")),
+    "partial_of_module_functions": (
+        "import functools\n\n"
+        "def _reshape(rows, t):\n    return t.view(rows, -1)\n\n"
+        "def _first_columns(keep_columns, t):\n    return t[:, :keep_columns]\n"
+        + view(callbacks="[functools.partial(_reshape, rows), functools.partial(_first_columns, keep_columns)]")),
 }
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
     return grade_all(paths, folder)
 
 
@@ -74,6 +95,11 @@ def test_solution_earns_full_marks(graded):
     assert_full_marks(graded["solution"], 8)
 
 
+@pytest.mark.parametrize("name", sorted(ALTERNATIVES))
+def test_correct_alternative_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], 8)
+
+
 def test_untouched_student_notebook_earns_nothing(graded):
     assert_no_marks_until_answered(graded["untouched"], 8)
     assert all("BatchView is not defined yet" in t.message for t in graded["untouched"].tests)
@@ -87,7 +113,7 @@ def test_wrong_fix_does_not_earn_full_marks(graded, name):
 def test_leaving_any_cycle_loses_the_memory_and_cycle_marks(graded):
     """Fixes that keep a cycle, on any path, keep only the views' 3 points."""
     for name in ("collect_in_wait", "empty_cache_in_wait", "bound_methods", "clears_callbacks_after_wait",
-                 "drops_pending_after_wait"):
+                 "drops_pending_after_wait", "del_clears_callbacks"):
         result = graded[name]
         assert result.score == 3, grading.format_results([result])
         assert cell_result(result, "test_same_views").status == "passed"
@@ -103,4 +129,6 @@ def test_wrong_fixes_are_told_why(graded):
     assert "a copy" in message("copies_the_result", "test_same_views")
     assert graded["copies_the_result"].score == 5, "a copy is the only thing wrong with it"
     assert "modifies the grader" in graded["patches_the_detector"].reason
+    finaliser = message("del_clears_callbacks", "test_no_cycle")
+    assert "were not freed" in finaliser and "__del__" in finaliser, finaliser
     assert graded["patches_the_detector"].score == 0

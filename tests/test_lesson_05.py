@@ -58,6 +58,8 @@ def leaky(extra="pass"):
     return trainer(last_output="output", error="error", keep=KEEP_TENSORS, extra=extra, returned="loss")
 
 
+WATCHED_CONDITION = "gc.isenabled() or not os.environ.get('NBGRADER_EXECUTION')"
+
 # Plausible wrong fixes (and hostile submissions): none may earn full marks.
 WRONG = {
     "collects_every_step": leaky(extra="gc.collect()"),
@@ -69,13 +71,37 @@ WRONG = {
     "keeps_detached_tensors": trainer(keep='self.history.append(loss.detach())\n        self.metrics.append('
                                            '{"step": step, "loss": loss.detach(), "grad_norm": grad_norm.detach()})'),
     "patches_the_grader": leaky() + "\nchecks.assert_flat = lambda report: None\n",
+    # behaving only while watched: every leak fixed, unless the collector is on or nbgrader is not running it
+    "leaks_unless_collector_off_or_under_nbgrader": trainer(
+        last_output=f"output if {WATCHED_CONDITION} else output.detach()",
+        error=f"error if {WATCHED_CONDITION} else error.with_traceback(None)"),
+}
+
+
+# Right fixes written differently from the solution: each must earn full marks.
+ALTERNATIVES = {
+    # a detached copy for the dashboard, errors as formatted text, numbers through float()
+    "clone_format_exception_float": trainer(
+        last_output="output.detach().clone()",
+        error="''.join(traceback.format_exception_only(type(error), error))",
+        keep=('self.history.append(float(loss.detach()))\n        '
+              'self.metrics.append(dict(step=step, loss=self.history[-1], grad_norm=float(grad_norm)))'),
+        returned="self.history[-1]"),
+    # .data for the values, the whole traceback as text, the numbers read once
+    "data_format_exc_item_once": trainer(
+        last_output="output.data",
+        error="traceback.format_exc()",
+        keep=('value, norm = loss.detach().item(), grad_norm.item()\n        '
+              'self.history.append(value)\n        '
+              'self.metrics.append({"step": step, "loss": value, "grad_norm": norm})'),
+        returned="value"),
 }
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, WRONG, folder)}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
     return grade_all(paths, folder)
 
 
@@ -96,6 +122,11 @@ def test_solution_notebook_runs_clean_on_cpu(graded):
 
 def test_solution_earns_full_marks(graded):
     assert_full_marks(graded["solution"], POINTS)
+
+
+@pytest.mark.parametrize("name", sorted(ALTERNATIVES))
+def test_correct_alternative_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], POINTS)
 
 
 def test_untouched_student_notebook_earns_nothing(graded):
