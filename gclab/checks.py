@@ -252,16 +252,34 @@ def assert_matches(name: str, got, expected, **tolerances) -> None:
 
 
 
-# -- a GC policy for a server: latency budget, no full collection in a request, bounded garbage
+# -- a GC policy for a server: collector pauses, no full collection in a request, bounded garbage
+# What a policy is judged on is what the server records in CPU time and counts (gc.callbacks,
+# checked against CPython's own counters), not wall-clock latency: on a busy machine a process
+# waiting for a core shows up in wall-clock time, not in the CPU time its collections take.
+PAUSE_BUDGET = 0.75         # of the CPU time of one full collection of the server's heap before any policy
+GARBAGE_FRACTION = 0.65     # of the responses served
+BUSY_BASELINE_P99_MS = 40.0  # collector off, a quiet machine: about 10 ms; above this the machine was too busy
+MIN_IDLE_MOMENTS = 3        # fewer idle moments than this while the load ran: no chance to collect when idle
+
+
 @dataclass
 class PolicyReport:
-    """The same open-loop load against the same server, run with the policy under test, with
-    the default collector and with the collector off, one after another in the same run."""
+    """The policy's run of the load (and, when the first run failed in a way a busy machine can
+    cause, a run with the collector off and a second run of the policy, in that order), judged on
+    what the server recorded.
+
+    A request is charged with the collections it waited behind: those that ran between its
+    scheduled send time and its answer, each at the CPU time it took in the server.  The policy
+    passes when every request was answered, the server vouches for its record, no full collection
+    ran while a request was in flight, the P99 of those charges is at most `pause_budget` times
+    the CPU time of one full collection of the server's heap (measured in the same server before
+    the policy ran), and the cyclic garbage stayed under `garbage_fraction` of the responses."""
     runs: dict
-    p99_ratio_budget: float
-    garbage_fraction: float
+    pause_budget: float = PAUSE_BUDGET
+    garbage_fraction: float = GARBAGE_FRACTION
     oldest_generation: int = 2
-    first_p99_ratio: float | None = None    # an earlier attempt's ratio, when only its P99 failed
+    inconclusive_reason: str | None = None
+    first_failures: list | None = None      # what a first run of the policy failed, when it ran twice
 
     @property
     def policy(self):
@@ -269,11 +287,28 @@ class PolicyReport:
 
     @property
     def baseline(self):
-        return self.runs["collector off"]
+        return self.runs.get("collector off")
+
+    # -- what the server recorded ------------------------------------------------------
+    @property
+    def full_collection_cpu(self) -> float:
+        return self.policy.trace.info.get("full_collection_cpu") or 0.0
 
     @property
-    def p99_ratio(self) -> float:
-        return self.policy.p99 / max(self.baseline.p99, 1e-9)
+    def pause_limit(self) -> float:
+        """The budget, in CPU seconds, for the collector time charged to a request (P99)."""
+        return self.pause_budget * self.full_collection_cpu
+
+    @property
+    def charges(self):
+        return self.policy.trace.charges(self.policy.load)["longest"]
+
+    @property
+    def pause_p99(self) -> float:
+        """P99 over the requests of the longest collection each waited behind, in CPU seconds."""
+        import numpy as np
+        charges = self.charges
+        return float(np.percentile(charges, 99)) if len(charges) else 0.0
 
     @property
     def full_collections_inside(self) -> list:
@@ -289,104 +324,187 @@ class PolicyReport:
         return max(garbage.get("peak_uncollected", 0), garbage.get("uncollected", 0))
 
     @property
+    def tampered(self) -> list:
+        return self.policy.trace.tampered
+
+    @property
     def failures(self) -> list:
         run = self.policy
         problems = [f"{run.load.failed} request(s) got no answer or an error"] if run.load.failed else []
-        if not run.trace.info.get("recording_intact", True):
-            problems.append("the server's record of collections was tampered with (its gc.callbacks hook "
-                            "was removed, or it missed collections CPython counted)")
         return problems + list(run.trace.errors)
 
+    # -- wall clock, what users feel (shown, not judged) ---------------------------------
+    @property
+    def p99_ratio(self) -> float | None:
+        return self.policy.p99 / max(self.baseline.p99, 1e-9) if self.baseline is not None else None
+
+    # -- the verdict ---------------------------------------------------------------------
     @property
     def checks(self) -> dict:
+        readable = not self.policy.trace.info.get("unavailable")
         return {
             "answers": not self.failures,
-            "p99": self.p99_ratio <= self.p99_ratio_budget,
-            "no full collection inside a request": not self.full_collections_inside,
-            "garbage bounded": self.peak_garbage <= self.garbage_bound,
+            "record vouched for": not self.tampered,
+            "no full collection inside a request": readable and not self.full_collections_inside,
+            "collector pauses within budget": readable and self.full_collection_cpu > 0
+                                              and self.pause_p99 <= self.pause_limit,
+            "garbage bounded": readable and self.peak_garbage <= self.garbage_bound,
         }
 
     @property
+    def freed_while_serving(self) -> int:
+        """Responses' worth of cyclic garbage the collector freed while the load ran."""
+        return self.policy.trace.freed_while_serving()
+
+    def failed_by_facts(self) -> list:
+        """Failed checks that a busy machine cannot cause: a tampered record, a full collection in a
+        request, pauses as costly as a collection of the whole unfrozen heap, garbage never freed,
+        not even in the idle time after the load.  (Unanswered requests, and pauses or garbage a little over budget, can
+        come from a machine too busy to serve the load, and are measured again.)"""
+        checks, facts = self.checks, []
+        for name in ("record vouched for", "no full collection inside a request"):
+            if not checks[name] and not self.policy.trace.info.get("unavailable"):
+                facts.append(name)
+        if not checks["collector pauses within budget"] and self.full_collection_cpu > 0 \
+                and self.pause_p99 >= self.full_collection_cpu:
+            facts.append("collector pauses within budget")
+        if not checks["garbage bounded"] and not self.policy.trace.info.get("unavailable") \
+                and self.policy.trace.freed_while_serving(until=float("inf")) == 0 \
+                and self.policy.trace.garbage.get("uncollected", 0) > self.garbage_bound:
+            facts.append("garbage bounded")     # never collected, not even when the server was idle after the load
+        return facts
+
+    @property
+    def inconclusive(self) -> bool:
+        return self.inconclusive_reason is not None
+
+    @property
     def ok(self) -> bool:
-        return all(self.checks.values())
+        return not self.inconclusive and all(self.checks.values())
+
+    @property
+    def verdict(self) -> str:
+        return "inconclusive" if self.inconclusive else "pass" if self.ok else "fail"
 
     def explain(self) -> str:
         run, checks = self.policy, self.checks
-        p99s = ", ".join(f"{name} {r.p99:.1f} ms" for name, r in self.runs.items())
-        lines = [f"P99 latency: {p99s}; yours is {self.p99_ratio:.2f}x the collector-off baseline "
-                 f"(budget {self.p99_ratio_budget:g}x): " + ("within budget." if checks["p99"] else "over budget.")]
-        if self.first_p99_ratio is not None:
-            lines.append(f"(A first pair of runs measured {self.first_p99_ratio:.2f}x with everything else in order; "
-                         "a P99 over budget is measured once more, on a fresh pair, before it counts: "
-                         "these figures are the second pair's.)")
-        inside = self.full_collections_inside
-        if inside:
-            worst = max(c.duration for c in inside)
-            lines.append(f"{len(inside)} full (generation {self.oldest_generation}) collection(s) ran while requests "
-                         f"were in flight, the longest {worst * 1e3:.1f} ms: every request in flight waited for it. "
-                         "Run full collections only when no request is in flight.")
+        lines = []
+        if self.inconclusive:
+            lines.append(f"inconclusive: {self.inconclusive_reason}")
+        if self.tampered:
+            lines.append("tampered: the server cannot vouch for its record, because " + "; ".join(self.tampered[:4])
+                         + ". A policy may change when and how the collector runs, not the server's instruments.")
+        p = run.load.percentiles()
+        wall = f"Wall-clock latency with your policy: P50 {p[50]:.1f} ms, P99 {p[99]:.1f} ms"
+        if self.baseline is not None:
+            wall += f" (collector off: P99 {self.baseline.p99:.1f} ms, {self.p99_ratio:.2f}x)"
+        lines.append(wall + "; on a busy machine these grow whatever the policy, so the grade uses CPU time.")
+        if run.trace.info.get("unavailable"):
+            lines.append("The server did not report its record: " + "; ".join(run.trace.errors[:1]))
         else:
-            lines.append("No full collection ran inside a request.")
-        garbage = run.trace.garbage
-        seen = (f"Cyclic garbage (responses' worth, uncollected): at most {self.peak_garbage} at any time, "
-                f"{garbage.get('uncollected', 0)} left at the end")
-        if checks["garbage bounded"]:
-            lines.append(f"{seen}; bound {self.garbage_bound}.")
-        else:
-            lines.append(f"{seen}, over the bound of {self.garbage_bound}: the cycles the server makes wait too "
-                         "long for a collection (or never get one), so memory grows while the server is busy. "
-                         "Switching the collector off, or collecting only once the load is over, is not a fix.")
+            full = self.full_collection_cpu * 1e3
+            lines.append(
+                f"Collector time charged to a request (the longest collection it waited behind, in CPU time): "
+                f"P99 {self.pause_p99 * 1e3:.1f} ms; budget {self.pause_budget:g} x one full collection of the "
+                f"server's heap ({full:.1f} ms of CPU) = {self.pause_limit * 1e3:.1f} ms: "
+                + ("within budget." if checks["collector pauses within budget"] else
+                   "over budget. Requests waited behind collections that walk the whole long-lived heap: make a "
+                   "full collection cheap before it runs, and run it when it delays no one."))
+            inside = self.full_collections_inside
+            if inside:
+                worst = max(c.duration for c in inside)
+                lines.append(f"{len(inside)} full (generation {self.oldest_generation}) collection(s) ran while "
+                             f"requests were in flight, the longest {worst * 1e3:.1f} ms: every request in flight "
+                             "waited for it. Run full collections only when no request is in flight.")
+            else:
+                lines.append("No full collection ran inside a request.")
+            garbage = run.trace.garbage
+            seen = (f"Cyclic garbage (responses' worth, uncollected): at most {self.peak_garbage} at any time, "
+                    f"{garbage.get('uncollected', 0)} left at the end")
+            if checks["garbage bounded"]:
+                lines.append(f"{seen}; bound {self.garbage_bound}.")
+            else:
+                lines.append(f"{seen}, over the bound of {self.garbage_bound}: the cycles the server makes wait too "
+                             "long for a collection (or never get one), so memory grows while the server is busy. "
+                             "Switching the collector off, or collecting only once the load is over, is not a fix.")
         if self.failures:
             lines.append("Errors: " + "; ".join(self.failures[:5]))
+        if self.first_failures:
+            lines.append("(A first run failed on " + ", ".join(self.first_failures) + "; a failure a busy machine "
+                         "can cause is measured once more, after a run with the collector off: the figures above "
+                         "are the second run's.)")
         return "\n".join(lines)
 
 
-def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_objects: int = 300_000,
-                     p99_ratio_budget: float = 3.0, garbage_fraction: float = 0.65, settle: float = 0.5,
-                     device=None, seed: int = 0, include_default: bool = True,
-                     confirm_below: float = 10.0) -> PolicyReport:
-    """Serve the same load with `policy` (a policy file), with the collector off and (if asked)
-    with the default collector, and judge the policy against the baseline of this same run.
+def _busy_machine(report: PolicyReport, baseline, policy_runs) -> str | None:
+    """Why the runs say the machine was too busy to judge what failed, or None."""
+    load, failing = baseline.load, {name for name, ok in report.checks.items() if not ok}
+    if load.failed:
+        return (f"with the collector off, the same server left {load.failed} of {len(load.status)} requests "
+                "unanswered: the machine was too busy to judge a policy; grade again on a quieter machine")
+    idle = [run.trace.idle_moments() for run in policy_runs]
+    if "garbage bounded" in failing and max(idle) < MIN_IDLE_MOMENTS:
+        return (f"the server found no request in flight only {max(idle)} time(s) while the load ran with your policy "
+                f"(on a quiet machine, dozens): the machine was too busy for the server to keep up, so a policy "
+                "that collects when the server is idle got no chance; grade again on a quieter machine")
+    if failing & {"answers", "collector pauses within budget"} and baseline.p99 > BUSY_BASELINE_P99_MS:
+        return (f"with the collector off, the same server's P99 was {baseline.p99:.0f} ms (a quiet machine: about "
+                f"10 ms, expected at most {BUSY_BASELINE_P99_MS:g} ms): the machine was too busy to judge; grade "
+                "again on a quieter machine")
+    return None
 
-    The policy passes when its P99 is at most `p99_ratio_budget` times the collector-off P99, no
-    full collection ran while a request was in flight, and the cyclic garbage alive at any time
-    (sampled while the server runs, and after `settle` idle seconds at the end) stayed at most
-    `garbage_fraction` of the requests served.  When only the P99 failed, and by less than
-    `confirm_below` times the baseline, the policy and the baseline are run once more and that
-    second pair decides (a stall of the machine during one run is not the policy's doing).
-    """
+
+def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_objects: int = 300_000,
+                     pause_budget: float = PAUSE_BUDGET, garbage_fraction: float = GARBAGE_FRACTION,
+                     settle: float = 0.5, device=None, seed: int = 0, baseline: bool = False,
+                     progress=None) -> PolicyReport:
+    """Serve the load with `policy` (a policy file) and judge it on what the server recorded
+    (see PolicyReport).  One run decides when the policy passes, or when it fails on a fact a busy
+    machine does not cause (`PolicyReport.failed_by_facts`).  Any other failure is measured again,
+    after a run with the collector off (ABA): the second run of the policy decides, unless the
+    collector-off run shows the machine was too busy to judge, and the report is then
+    inconclusive.  `baseline=True` always adds the collector-off run (its wall-clock P99 is shown
+    next to yours).  `progress`: a function called with a line before each run."""
     import os
     import tempfile
 
     from .serving import measure
 
     def serve(name, path):
+        if progress:
+            progress(f"serving the load: {name} ...")
         return measure(name, rate=rate, duration=duration, settle=settle, seed=seed, policy=path,
                        heap_objects=heap_objects, attribution="objects", device=device)
+
+    def judged(runs, **extra):
+        return PolicyReport(runs, pause_budget, garbage_fraction, **extra)
 
     with tempfile.TemporaryDirectory(prefix="gclab-policy-") as folder:
         off = os.path.join(folder, "collector_off.py")
         with open(off, "w") as f:
             f.write("import gc\n\ndef on_startup():\n    gc.disable()\n")
-        configs = {"your policy": policy, "collector off": off}
-        if include_default:
-            configs["default"] = None
-        report = PolicyReport({name: serve(name, path) for name, path in configs.items()},
-                              p99_ratio_budget, garbage_fraction)
-        if _only_latency_failed(report, confirm_below):
-            # A shared machine can stall one run; a latency failure must show up twice to count.
-            again = {"your policy": serve("your policy", policy), "collector off": serve("collector off", off)}
-            report = PolicyReport({**report.runs, **again}, p99_ratio_budget, garbage_fraction,
-                                  first_p99_ratio=report.p99_ratio)
-    return report
-
-
-def _only_latency_failed(report: PolicyReport, confirm_below: float) -> bool:
-    failed = {name for name, ok in report.checks.items() if not ok}
-    return failed == {"p99"} and report.p99_ratio < confirm_below
+        first = {"your policy": serve("your policy", policy)}
+        if baseline:
+            first["collector off"] = serve("collector off", off)
+        report = judged(first)
+        if report.ok or report.failed_by_facts():
+            return report
+        failed = [name for name, ok in report.checks.items() if not ok]
+        off_run = first.get("collector off") or serve("collector off", off)
+        again = serve("your policy", policy)
+        runs = {"your policy": again, "collector off": off_run, "your policy (first run)": first["your policy"]}
+        report = judged(runs, first_failures=failed)
+        if report.ok or report.failed_by_facts():
+            return report
+        busy = _busy_machine(report, off_run, [first["your policy"], again])
+        return judged(runs, first_failures=failed, inconclusive_reason=busy) if busy else report
 
 
 def assert_policy(report: PolicyReport) -> None:
+    """Fail with the report's explanation; an inconclusive report fails with a message that
+    starts "inconclusive:" (the grader reports it as such, not as a wrong policy)."""
+    if report.inconclusive:
+        raise AssertionError(report.explain())
     assert report.ok, report.explain()
 
 

@@ -648,7 +648,7 @@ def _source_key(root: Path, assignment: str) -> str:
     """A hash of everything generation depends on: the config, the lesson's files, nbgrader."""
     import hashlib
     from importlib.metadata import version
-    digest = hashlib.sha256(version("nbgrader").encode() + b"hidden tests stripped")
+    digest = hashlib.sha256(version("nbgrader").encode() + b"hidden tests stripped line by line")
     digest.update((root / CONFIG).read_bytes())
     ignored = ignored_patterns(root)
     for path in sorted((root / "solutions" / assignment).rglob("*")):

@@ -6,7 +6,7 @@ import numpy as np
 
 from .memory import MiB
 
-__all__ = ["plot_timeline", "plot_latency", "plot_requests", "GENERATION_COLOURS"]
+__all__ = ["plot_timeline", "plot_latency", "plot_latency_spread", "plot_requests", "GENERATION_COLOURS"]
 
 GENERATION_COLOURS = {0: "tab:green", 1: "tab:orange", 2: "tab:red"}
 
@@ -69,6 +69,33 @@ def plot_latency(runs, ax=None, budget_ms=None, title="Request latency (from the
         ax.axhline(budget_ms, color="black", ls="--", lw=1, label="P99 budget")
     ax.set_xticks(range(len(points)), ["P50", "P95", "P99", "max"])
     ax.set_ylabel("latency (ms)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return ax
+
+
+def plot_latency_spread(runs, ax=None, points=(50, 99), title="Latency over repeated runs: median, and the range"):
+    """P50 and P99 of each configuration over repeated runs: a bar at the median, a line from the
+    lowest to the highest run, and each run as a dot.
+
+    `runs` maps a name to a list of `gclab.serving.ServedRun` (as `gclab.serving.compare` returns).
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.5))
+    width = 0.8 / max(1, len(runs))
+    for k, (name, seen) in enumerate(runs.items()):
+        x = np.arange(len(points)) + (k - (len(runs) - 1) / 2) * width
+        values = np.array([[run.load.percentiles(points)[p] for p in points] for run in seen])
+        median = np.median(values, axis=0)
+        bars = ax.bar(x, median, width, label=name, alpha=0.85)
+        colour = bars.patches[0].get_facecolor()
+        ax.vlines(x, values.min(axis=0), values.max(axis=0), color="black", lw=1)
+        for row in values:
+            ax.plot(x, row, ".", color="black", ms=3)
+        ax.bar_label(bars, labels=[f"{m:.0f}" for m in median], fontsize="x-small", padding=1, color=colour)
+    ax.set_xticks(range(len(points)), [f"P{p}" if p < 100 else "max" for p in points])
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
     ax.set_title(title)
     ax.legend(fontsize="small")
     return ax

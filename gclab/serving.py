@@ -14,8 +14,9 @@ metadata, a response cache) the collector has to walk.  Each request also awaits
 `device_ms` of simulated accelerator time (the CPU and the event loop are free meanwhile,
 as when a GPU runs the model), so several requests are in flight at once.  It
 records, on the shared `time.perf_counter()` clock (CLOCK_MONOTONIC on Linux), when each
-request started and ended and every collection (`gclab.gcwatch`), and hands them back on
-`GET /_gclab/trace`.
+request started and ended and every collection with the CPU time it took, checks that record
+against CPython's own counters, and hands it back on a trace port answered by a thread of its
+own (`ModelServer.trace()`).
 
 The load generator runs in a process of its own with the collector off, so its own
 pauses cannot be charged to the server.  It is open-loop: request i leaves at its
@@ -49,7 +50,8 @@ from pathlib import Path
 
 from .gcwatch import Collection, GCWatch, gc_disabled
 
-__all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "measure", "run_load", "schedule"]
+__all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "ServedCollection", "measure", "compare", "spread",
+           "run_load", "schedule"]
 
 READY = "gclab-serving ready on port"
 HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
@@ -156,14 +158,19 @@ class ServerState:
         self.attribution = attribution
         self.in_flight = 0
         self.last_end = time.perf_counter()
-        self.requests: list[tuple[int, float, float]] = []      # (request id, start, end)
         self.idle_calls: list[tuple[float, float]] = []      # (start, end) of on_idle calls that took time
         self.idle_call_count = 0
+        self.idle_call_times: list[float] = []               # when each on_idle call started
         self.peak_garbage = 0
         self.errors: list[str] = []
         self.explanations = weakref.WeakSet()
-        self.watch = GCWatch()
-        self.stats_at_reset = _collections_so_far()
+        self.freed_times: list[float] = []      # when each explanation was freed (by the collector: they are cycles)
+        self._refs = set()
+
+        def on_free(ref, refs=self._refs, times=self.freed_times, clock=time.perf_counter):
+            refs.discard(ref)
+            times.append(clock())
+        self._on_free = on_free
 
     def answer(self, seed: int) -> dict:
         return self.postprocess(*self.infer(seed))
@@ -177,6 +184,7 @@ class ServerState:
         if self.attribution == "objects":
             explanation = self.model.explain(label, tokens, contributions)
             self.explanations.add(explanation)
+            self._refs.add(weakref.ref(explanation, self._on_free))
             self.cache.put(seed, explanation)
             top = sorted(explanation.tokens, key=lambda t: t.score, reverse=True)[:5]
             body["top_tokens"] = [[t.token, round(t.score, 4)] for t in top]
@@ -189,45 +197,212 @@ class ServerState:
 
     def garbage(self) -> dict:
         """Explanations still alive though neither cached nor in flight: cyclic garbage not yet
-        collected, now and at its highest since the last reset (sampled while the server runs)."""
+        collected, now and at its highest since the last reset (sampled while the server runs).
+        A cache holds at most `cache.size` of them, whatever its dict says."""
         alive = len(self.explanations)
-        cached = sum(1 for value in self.cache.entries.values() if isinstance(value, Explanation))
+        cached = min(self.cache.size, sum(1 for value in list(self.cache.entries.values())
+                                          if isinstance(value, Explanation)))
         uncollected = max(0, alive - cached)
         self.peak_garbage = max(self.peak_garbage, uncollected)
         return {"explanations_alive": alive, "cached": cached, "uncollected": uncollected,
                 "peak_uncollected": self.peak_garbage}
 
-    def trace(self) -> dict:
-        return {
-            "requests": self.requests, "idle_calls": self.idle_calls, "errors": self.errors[:20],
-            "idle_call_count": self.idle_call_count,
-            "collections": [[c.generation, c.start, c.duration, c.collected, c.uncollectable]
-                            for c in self.watch.collections],
-            "garbage": self.garbage(), "gc_enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
-            "frozen": gc.get_freeze_count(), "count": list(gc.get_count()),
-            "python": sys.version.split()[0],
-            "recording_intact": self.recording_intact(),
-        }
 
-    def recording_intact(self) -> bool:
-        """Is the watch still hooked in, and did it see every collection CPython counted?"""
-        with gc_disabled():             # no collection may slip in between the two counts
-            counted = [now - then for now, then in zip(_collections_so_far(), self.stats_at_reset)]
-            seen = [self.watch.count(g) for g in range(len(counted))]
-        return self.watch._on_gc in gc.callbacks and counted == seen
-
-    def reset(self):
-        with gc_disabled():
-            self.requests, self.idle_calls, self.errors = [], [], []
-            self.idle_call_count = 0
-            self.peak_garbage = 0
-            self.watch.collections = []
-            self.stats_at_reset = _collections_so_far()
+def _collections_so_far(get_stats=gc.get_stats) -> list[tuple[int, int]]:
+    """CPython's own count, per generation, of collections and of the objects they found
+    unreachable (kept in C, independent of gc.callbacks and of anything Python code can rebind)."""
+    return [(generation["collections"], generation["collected"]) for generation in get_stats()]
 
 
-def _collections_so_far() -> list[int]:
-    """CPython's own count of collections per generation (independent of gc.callbacks)."""
-    return [generation["collections"] for generation in gc.get_stats()]
+def _recorder(token, process_time=time.process_time, stats=_collections_so_far,
+              isenabled=gc.isenabled, disable=gc.disable, enable=gc.enable):
+    """The server's record, kept in this generator's frame: only `send` reaches it, and a frame
+    of the grader's code is out of a policy's reach (reading a generator's frame is refused).
+
+    Messages: ("start", generation, wall, cpu) and ("stop", generation, wall, cpu, collected,
+    uncollectable) from the gc.callbacks hook; ("request", id, start, end) from the server;
+    ("read", token) and ("reset", token) from the trace endpoint. Anything else is counted
+    as a forgery."""
+    collections, requests, forged = [], [], []
+    pending = None
+    at_reset, cpu_at_reset = stats(), process_time()
+    reply = None
+    while True:
+        message = yield reply
+        was_enabled = isenabled()
+        disable()                   # no collection (and no re-entrant callback) while the record changes
+        reply = None
+        kind = message[0] if type(message) is tuple and message else None
+        if kind == "start" and len(message) == 4:
+            if pending is not None:
+                forged.append("a collection started twice")
+            pending = message[1:]
+        elif kind == "stop" and len(message) == 6:
+            if pending is None or pending[0] != message[1]:
+                forged.append("a collection stopped that never started")
+            else:
+                generation, wall, cpu = pending
+                collections.append((generation, wall, message[2] - wall, message[3] - cpu, message[4], message[5]))
+            pending = None
+        elif kind == "request" and len(message) == 4:
+            requests.append(message[1:])
+        elif kind in ("read", "reset") and len(message) == 2 and message[1] is token and pending is not None:
+            reply = {"in_progress": True}       # a collection is under way in the other thread: ask again
+        elif kind in ("read", "reset") and len(message) == 2 and message[1] is token:
+            now, cpu_now = stats(), process_time()
+            counted = [now[g][0] - at_reset[g][0] for g in range(len(now))]
+            found = [now[g][1] - at_reset[g][1] for g in range(len(now))]
+            reply = {"collections": [list(c) for c in collections], "requests": [list(r) for r in requests],
+                     "forged": list(forged), "counted": counted, "found": found,
+                     "server_cpu": cpu_now - cpu_at_reset}
+            if kind == "reset":             # what was forged stays on the record
+                collections, requests = [], []
+                at_reset, cpu_at_reset = now, cpu_now
+        else:
+            forged.append(f"an unknown message reached the record ({str(kind)[:40]})")
+        if was_enabled:
+            enable()
+
+
+def _serialized(send, sleep=time.sleep):
+    """`send` to the record from either thread (the server's, or the one that answers trace
+    requests).  A caller that finds the record busy (the other thread is in it, or this thread
+    is, when a collection starts inside it) leaves its message in a queue drained before the next
+    message, and never waits; a read (`wait=True`) waits for the record and for any collection
+    under way, so that what it reads matches CPython's counters."""
+    import collections
+    import threading
+    lock, backlog = threading.Lock(), collections.deque()
+    append, popleft = backlog.append, backlog.popleft
+
+    def record(message, wait=False):
+        for _ in range(5000):
+            if not lock.acquire(wait):
+                append(message)
+                return None
+            try:
+                while backlog:
+                    send(popleft())
+                reply = send(message)
+                if not (wait and (backlog or (type(reply) is dict and reply.get("in_progress")))):
+                    return reply
+            finally:
+                lock.release()
+            sleep(0.001)
+        return reply
+    return record
+
+
+def _answer_traces(sock, report, encode):
+    """The trace endpoint, on a socket and a thread of its own, so that it answers even while the
+    server's event loop is still busy with a backlog of requests: one line in ("read" or
+    "reset"), the record as JSON out.  Started with `_thread`, so that no Thread object holds
+    what it needs where `threading.enumerate()` would find it."""
+    while True:
+        conn, _ = sock.accept()
+        try:
+            conn.settimeout(10)
+            command = conn.recv(64).strip()
+            conn.sendall(encode(report(reset=command == b"reset")).encode())
+        except Exception as exc:        # a broken connection must not end the endpoint
+            try:
+                conn.sendall(encode({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            except OSError:
+                pass
+        finally:
+            conn.close()
+
+
+def _gc_hook(send, thread_time=time.thread_time, perf_counter=time.perf_counter):
+    """The gc.callbacks hook: the clocks first, then the record."""
+    def on_gc(phase, info):
+        if phase == "start":
+            send(("start", info["generation"], perf_counter(), thread_time()))
+        else:
+            wall, cpu = perf_counter(), thread_time()
+            send(("stop", info["generation"], wall, cpu, info.get("collected", 0), info.get("uncollectable", 0)))
+    return on_gc
+
+
+def full_collection_cpu(repeats: int = 3, thread_time=time.thread_time) -> float:
+    """CPU seconds of one full collection of this process's heap, the least of `repeats`
+    (CPU time of this thread: a busy machine that deschedules the process does not add to it)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = thread_time()
+        gc.collect()
+        best = min(best, thread_time() - t)
+    return best
+
+
+def _snapshot(module=None) -> dict:
+    """This module's names and the attributes of the classes it defines, as they are now."""
+    module = module or sys.modules[__name__]
+    taken = {("module", name): value for name, value in vars(module).items()}
+    for name, value in vars(module).items():
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            taken.update({(name, attr): member for attr, member in vars(value).items()})
+    return taken
+
+
+def _replaced(before: dict, module=None, snapshot=_snapshot) -> list[str]:
+    now = snapshot(module)
+    return [f"{'gclab.serving' if owner == 'module' else 'gclab.serving.' + owner}.{attr} was replaced"
+            for (owner, attr), value in before.items() if now.get((owner, attr), _snapshot) is not value]
+
+
+def _audit(record, state, on_gc, guard, full_cpu, token, before):
+    """What the trace endpoint reports, checked against what CPython counted itself."""
+    garbage, callbacks, module, replaced = state.garbage, gc.callbacks, sys.modules[__name__], _replaced
+
+    def report(reset: bool = False) -> dict:
+        data = record(("reset" if reset else "read", token), wait=True)
+        problems = list(data.pop("forged")) + replaced(before, module)
+        if on_gc not in callbacks:
+            problems.append("the server's gc.callbacks hook was removed")
+        elif callbacks.count(on_gc) != 1:
+            problems.append("the server's gc.callbacks hook was added again")
+        seen = [sum(1 for c in data["collections"] if c[0] == g) for g in range(len(data["counted"]))]
+        if seen != data["counted"]:
+            problems.append(f"the record has {seen} collections per generation, CPython counted {data['counted']}")
+        found = [sum(c[4] for c in data["collections"] if c[0] == g) for g in range(len(data["found"]))]
+        if found != data["found"]:
+            problems.append(f"the record's collections found {found} unreachable objects, CPython counted "
+                            f"{data['found']}")
+        if guard is not None:
+            problems += guard.problems()
+        data.update({
+            "idle_calls": list(state.idle_calls), "errors": list(state.errors[:20]),
+            "idle_call_count": state.idle_call_count, "idle_call_times": list(state.idle_call_times),
+            "freed_times": list(state.freed_times), "page_faults": _page_faults(), "rss_mib": _rss_mib(),
+            "garbage": garbage(), "gc_enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
+            "frozen": gc.get_freeze_count(), "count": list(gc.get_count()), "python": sys.version.split()[0],
+            "full_collection_cpu": full_cpu, "tampered": list(dict.fromkeys(problems))[:20],
+            "guarded": guard is not None,
+        })
+        data["recording_intact"] = not data["tampered"]
+        if reset:
+            state.idle_calls, state.errors, state.idle_call_times = [], [], []
+            del state.freed_times[:]
+            state.idle_call_count = 0
+            state.peak_garbage = 0
+        return data
+    return report
+
+
+def _page_faults() -> int:
+    """Minor page faults of this process so far: each is a page of memory touched for the first time."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process now, in MiB (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _request_id(query: bytes) -> int:
@@ -241,68 +416,89 @@ def _request_id(query: bytes) -> int:
     return -1
 
 
-def build_app(state: ServerState, device_seconds: float):
+def build_app(state: ServerState, device_seconds: float, record):
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
+    from starlette.responses import Response
     from starlette.routing import Route
 
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    infer, postprocess = state.infer, state.postprocess       # bound now: a class patched later changes nothing
+    hooks = dict(state.hooks)
+    perf_counter = time.perf_counter
+
     async def predict(request):
-        inferred = state.infer(int(request.query_params.get("seed", "0")))
+        inferred = infer(int(request.query_params.get("seed", "0")))
         # waiting for the accelerator's answer: the event loop serves other requests meanwhile
         await asyncio.sleep(device_seconds)
-        return JSONResponse(state.postprocess(*inferred))
+        return Response(encode(postprocess(*inferred)), media_type="application/json")
 
-    async def trace(request):
-        data = state.trace()
-        if request.query_params.get("reset"):
-            state.reset()
-        return JSONResponse(data)
-
-    app = Starlette(routes=[Route("/predict", predict), Route("/_gclab/trace", trace)])
+    app = Starlette(routes=[Route("/predict", predict)])
 
     async def timed(scope, receive, send):
         if scope["type"] != "http" or scope["path"].startswith("/_gclab"):
             return await app(scope, receive, send)
-        start = time.perf_counter()
+        start = perf_counter()
         request_id = _request_id(scope["query_string"])
         state.in_flight += 1
         try:
-            state.hooks["before_request"](state.in_flight)
+            hooks["before_request"](state.in_flight)
             await app(scope, receive, send)
         except Exception as exc:
             state.errors.append(f"{type(exc).__name__}: {exc}")
             raise
         finally:
             state.in_flight -= 1
-            state.last_end = end = time.perf_counter()
-            state.requests.append((request_id, start, end))
+            state.last_end = end = perf_counter()
+            record(("request", request_id, start, end))
             try:
-                state.hooks["after_request"](state.in_flight)
+                hooks["after_request"](state.in_flight)
             except Exception as exc:
                 state.errors.append(f"after_request: {type(exc).__name__}: {exc}")
     return timed
 
 
-async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: int):
+async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: int, garbage):
     """Call the policy's on_idle(idle_seconds) every `idle_after` seconds while no request is in
-    flight; stop the server if the process that started it has gone."""
+    flight, and sample the garbage (`garbage`: the server's own count, bound before the policy
+    loaded); stop the server if the process that started it has gone."""
     last_call = 0.0
+    on_idle = state.hooks["on_idle"]
     while True:
         await asyncio.sleep(idle_after / 2)
         if os.getppid() != parent:          # the notebook went away: do not outlive it
             os._exit(0)
-        state.garbage()                     # samples the peak of uncollected garbage
+        garbage()                           # samples the peak of uncollected garbage
         now = time.perf_counter()
         if state.in_flight or now - state.last_end < idle_after or now - last_call < idle_after:
             continue
         try:
-            state.hooks["on_idle"](now - state.last_end)
+            on_idle(now - state.last_end)
         except Exception as exc:
             state.errors.append(f"on_idle: {type(exc).__name__}: {exc}")
         last_call = time.perf_counter()
         state.idle_call_count += 1
+        state.idle_call_times.append(now)
         if last_call - now > 1e-4:          # keep the calls that did something, for the timeline
             state.idle_calls.append((now, last_call))
+
+
+def _install_guard(policy):
+    """The lead's guard (gclab.guard), installed before the policy runs: it locks the grader's
+    modules, lists what was replaced and refuses the policy what reaches past the server's tools
+    (frames, the collector's object graph, ctypes, new processes)."""
+    if not policy:
+        return None
+    try:
+        from . import guard
+    except ImportError:             # pragma: no cover - a gclab without it still checks its record
+        return None
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) and os.path.samefile(main.__file__, __file__):
+        sys.modules.setdefault("gclab.serving", main)       # one module, whichever name the policy imports
+        package = sys.modules.get("gclab")
+        if package is not None and not hasattr(package, "serving"):
+            package.serving = main
+    return guard.install(workdir=tempfile.mkdtemp(prefix="gclab-policy-work-"), processes=False, files=True)
 
 
 def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
@@ -312,15 +508,35 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     import torch
     import uvicorn
     torch.set_num_threads(1)
-    hooks = load_policy(policy)
     model = Model(torch.device(device))
+    hooks = {name: (lambda *args: None) for name in HOOKS}
     state = ServerState(model, long_lived_heap(heap_objects), ResponseCache(cache_size), hooks, attribution)
     for seed in range(50):                  # warm-up: first calls into torch allocate for good
         state.answer(seed)
     state.cache.entries.clear()
-    gc.collect()
+    full_cpu = full_collection_cpu()        # what one full collection of this heap costs, before any policy
+    token = object()
+    recorder = _recorder(token)
+    next(recorder)
+    record = _serialized(recorder.send)
+    on_gc = _gc_hook(record)
+    # what runs after the policy loads, bound before it does
+    build, watch_idle, garbage = build_app, _watch_idle_and_parent, state.garbage
+    import starlette.responses  # noqa: F401  (loaded before the guard takes its manifest)
+    import starlette.routing  # noqa: F401
+    before = _snapshot()
+    guard = _install_guard(policy)
+    report = _audit(record, state, on_gc, guard, full_cpu, token, before)
+    gc.callbacks.append(on_gc)
+    record(("reset", token), wait=True)
+    trace_sock = socket.socket()
+    trace_sock.bind(("127.0.0.1", 0))
+    trace_sock.listen(16)
+    import _thread
+    _thread.start_new_thread(_answer_traces, (trace_sock, report, json.JSONEncoder(separators=(",", ":")).encode))
+    hooks.update(load_policy(policy))      # the policy's own code runs from here on
+    app = build(state, device_ms / 1e3, record)
     hooks["on_startup"]()
-    app = build_app(state, device_ms / 1e3)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit this: without it Nagle's algorithm holds the body back
@@ -333,11 +549,10 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     parent = os.getppid()
 
     async def main():
-        watcher = asyncio.ensure_future(_watch_idle_and_parent(state, idle_after, parent))
-        print(f"{READY} {sock.getsockname()[1]}", flush=True)
-        with state.watch:
-            state.reset()
-            await server.serve(sockets=[sock])
+        watcher = asyncio.ensure_future(watch_idle(state, idle_after, parent, garbage))
+        report(reset=True)
+        print(f"{READY} {sock.getsockname()[1]} {trace_sock.getsockname()[1]}", flush=True)
+        await server.serve(sockets=[sock])
         watcher.cancel()
     asyncio.run(main())
 
@@ -416,10 +631,23 @@ class LoadResult:
         return {p: float(np.percentile(latencies, p)) for p in points}
 
 
+class ServedCollection(Collection):
+    """A collection the server recorded, with the CPU time it took (`cpu`, seconds of the
+    server thread's CPU time: unlike `duration`, not inflated when the machine is busy and
+    the server waits for a core)."""
+    cpu: float = 0.0
+
+
+ServedCollection = dataclass(frozen=True)(ServedCollection)
+
+
 @dataclass
 class Trace:
     """What the server recorded: each request's (id, start, end), the collections, the
-    policy's idle calls (start, end) and the cyclic garbage still alive at the end."""
+    policy's idle calls (start, end) and the cyclic garbage still alive at the end; `info`
+    adds the collector's settings, what one full collection of the server's heap costs in CPU
+    time (`full_collection_cpu`), the server's CPU time over the record (`server_cpu`) and
+    `tampered`: why the server cannot vouch for its record (empty when it can)."""
     requests: list
     collections: list[Collection]
     idle_calls: list = field(default_factory=list)
@@ -429,15 +657,66 @@ class Trace:
 
     @classmethod
     def from_json(cls, data: dict) -> "Trace":
-        collections = [Collection(int(g), s, d, int(c), int(u)) for g, s, d, c, u in data["collections"]]
+        collections = [ServedCollection(int(g), s, d, int(c), int(u), cpu) for g, s, d, cpu, c, u in data["collections"]]
         info = {k: data[k] for k in ("gc_enabled", "threshold", "frozen", "count", "python", "recording_intact",
-                                     "idle_call_count")}
+                                     "idle_call_count", "tampered", "full_collection_cpu", "server_cpu", "counted",
+                                     "guarded", "idle_call_times", "freed_times", "page_faults", "rss_mib") if k in data}
         return cls([tuple(r) for r in data["requests"]], collections, [tuple(c) for c in data["idle_calls"]],
                    data["garbage"], info, data["errors"])
 
     @classmethod
     def unavailable(cls, reason: str) -> "Trace":
-        return cls([], [], info={"recording_intact": False}, errors=[reason])
+        return cls([], [], info={"recording_intact": False, "unavailable": True}, errors=[reason])
+
+    @property
+    def tampered(self) -> list[str]:
+        """Why the server cannot vouch for this record (empty: it can)."""
+        if self.info.get("unavailable"):
+            return []
+        found = list(self.info.get("tampered", []))
+        if not found and not self.info.get("recording_intact", True):
+            found.append("the server's record of collections does not match CPython's own count")
+        return found
+
+    def idle_moments(self) -> int:
+        """How many times, while the load ran (from the first request's start to the last one's
+        end), the server found no request in flight and called the policy's on_idle."""
+        if not self.requests:
+            return 0
+        first = min(start for _, start, _ in self.requests)
+        last = max(end for _, _, end in self.requests)
+        return sum(1 for t in self.info.get("idle_call_times", []) if first < t < last)
+
+    def freed_while_serving(self, until: float | None = None) -> int:
+        """How many responses' cyclic garbage the collector freed before `until` (default: the end
+        of the last request)."""
+        if until is None:
+            until = max((end for _, _, end in self.requests), default=float("inf"))
+        return sum(1 for t in self.info.get("freed_times", []) if t < until)
+
+    def collector_cpu(self, generation: int | None = None) -> float:
+        """CPU seconds the collector took over the record (of one generation, if given)."""
+        return sum(getattr(c, "cpu", c.duration) for c in self.collections
+                   if generation is None or c.generation == generation)
+
+    def charges(self, load: "LoadResult") -> "dict[str, np.ndarray]":
+        """For each answered request of `load`, the collections it waited behind: those that ran
+        at any moment between the request's scheduled send time and its answer (the server's
+        clock and the load generator's are the same monotonic clock).  Returns per request, in
+        CPU seconds of the collector, "longest": the longest such collection, and "total": all
+        of them added up; and "count": how many."""
+        import numpy as np
+        answered = [(s, d) for s, d in zip(load.scheduled, load.done) if d is not None]
+        if not answered or not self.collections:
+            zeros = np.zeros(len(answered))
+            return {"longest": zeros, "total": zeros.copy(), "count": zeros.copy()}
+        due, done = np.array(answered).T
+        starts = np.array([c.start for c in self.collections])
+        ends = starts + np.array([c.duration for c in self.collections])
+        cpu = np.array([getattr(c, "cpu", c.duration) for c in self.collections])
+        overlap = (starts[None, :] < done[:, None]) & (ends[None, :] > due[:, None])
+        charged = np.where(overlap, cpu[None, :], 0.0)
+        return {"longest": charged.max(axis=1), "total": charged.sum(axis=1), "count": overlap.sum(axis=1)}
 
     def collections_inside_requests(self, generation: int | None = None) -> list[Collection]:
         """Collections that ran while at least one request was being handled."""
@@ -470,13 +749,18 @@ class ModelServer:
                             device_ms=device_ms)
         self.startup_timeout = startup_timeout
         self.proc = None
-        self.port = None
+        self.port = self.trace_port = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ModelServer":
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> "ModelServer":
+        """Start the server process without waiting for it (see wait_ready)."""
         o = self.options
         cmd = [sys.executable, "-m", "gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
                "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"]),
@@ -486,11 +770,14 @@ class ModelServer:
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self._finalizer = weakref.finalize(self, _kill, self.proc)
+        return self
+
+    def wait_ready(self) -> "ModelServer":
         line = self._first_line()
         if not line.startswith(READY):
             self.stop()
             raise RuntimeError("the model server did not start: " + (self._error_text() or line or "no output"))
-        self.port = int(line.split()[-1])
+        self.port, self.trace_port = (int(word) for word in line.split()[-2:])
         return self
 
     def _first_line(self) -> str:
@@ -522,16 +809,24 @@ class ModelServer:
         self.stop()
         return False
 
-    def trace(self, reset: bool = False, timeout: float = 5) -> Trace:
-        """What the server recorded; if it cannot answer within `timeout` seconds (still busy
-        with a backlog, or stuck), a Trace that says so and records nothing."""
+    def trace(self, reset: bool = False, timeout: float = 10) -> Trace:
+        """What the server recorded (its trace endpoint answers on a thread of its own, so even a
+        server still busy with a backlog answers); if it cannot answer within `timeout` seconds
+        (stopped, or stuck), a Trace that says so and records nothing."""
+        import socket
         try:
-            with urllib.request.urlopen(f"{self.url}/_gclab/trace{'?reset=1' if reset else ''}",
-                                        timeout=timeout) as answer:
-                return Trace.from_json(json.loads(answer.read()))
-        except (OSError, ValueError) as exc:      # URLError, timeouts and bad JSON
+            with socket.create_connection(("127.0.0.1", self.trace_port), timeout=timeout) as conn:
+                conn.sendall(b"reset\n" if reset else b"read\n")
+                chunks = []
+                while chunk := conn.recv(1 << 16):
+                    chunks.append(chunk)
+            data = json.loads(b"".join(chunks))
+            if "error" in data:
+                raise ValueError(data["error"])
+            return Trace.from_json(data)
+        except (OSError, ValueError, TypeError) as exc:      # refused, timeouts, bad JSON
             return Trace.unavailable(f"the server did not report its trace within {timeout:g} s "
-                                     f"({type(exc).__name__}): it was still busy or had stopped")
+                                     f"({type(exc).__name__}): it had stopped or was stuck")
 
 
 def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool = True, seed: int = 0,
@@ -578,6 +873,51 @@ def measure(name: str, rate: float = 250.0, duration: float = 3.5, settle: float
         load = run_load(server.url, rate=rate, duration=duration, seed=seed)
         time.sleep(settle)
         return ServedRun(name, load, server.trace())
+
+
+def compare(configs: dict, repeats: int = 3, rate: float = 250.0, duration: float = 3.0, settle: float = 0.2,
+            seed: int = 0, progress=print) -> dict:
+    """Serve the same load to several server configurations, interleaved: one server per
+    configuration (`configs` maps a name to ModelServer options), all started together, then
+    `repeats` rounds in which each server gets the load in turn (A B C, A B C, ...), so that a
+    busy spell of the machine lands on every configuration alike rather than on one.  Each server
+    keeps running between its loads, as a real one does (its garbage and its heap carry over).
+    Returns name -> [ServedRun, one per round]; `progress` gets a line per load (None: quiet)."""
+    servers = {name: ModelServer(**options) for name, options in configs.items()}
+    runs = {name: [] for name in configs}
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.wait_ready()
+        for k in range(repeats):
+            for name, server in servers.items():
+                before = server.trace(reset=True)
+                started = time.perf_counter()
+                load = run_load(server.url, rate=rate, duration=duration, seed=seed)
+                time.sleep(settle)
+                trace = server.trace()
+                trace.info["page_faults_during_load"] = (trace.info.get("page_faults", 0)
+                                                         - before.info.get("page_faults", 0))
+                run = ServedRun(name, load, trace)
+                runs[name].append(run)
+                if progress:
+                    progress(f"round {k + 1}/{repeats}  {name:<28} P99 {run.p99:7.1f} ms "
+                             f"({time.perf_counter() - started:.1f} s)")
+    finally:
+        for server in servers.values():
+            server.stop()
+    return runs
+
+
+def spread(runs: dict, value=lambda run: run.p99) -> dict:
+    """name -> (median, lowest, highest) of `value` over each configuration's runs."""
+    import numpy as np
+    out = {}
+    for name, seen in runs.items():
+        values = [value(run) for run in seen]
+        out[name] = (float(np.median(values)), float(min(values)), float(max(values)))
+    return out
 
 
 def main(argv=None) -> int:

@@ -184,3 +184,280 @@ def test_compact_attribution_answers_the_same_without_garbage():
 def test_unknown_attribution_is_refused():
     with pytest.raises(ValueError, match="attribution must be one of off, objects, compact"):
         ModelServer(attribution="yes")
+
+
+# -- CPU-time accounting --------------------------------------------------------------------
+def _served(generation, start, duration, cpu):
+    from gclab.serving import ServedCollection
+    return ServedCollection(generation, start, duration, 0, 0, cpu)
+
+
+def test_each_request_is_charged_with_the_collections_it_waited_behind():
+    load = LoadResult(scheduled=[0.0, 1.0, 2.0, 3.0], sent=[0.0, 1.0, 2.0, 3.0],
+                      done=[0.5, 1.5, 2.5, None], status=[200, 200, 200, 0])
+    trace = Trace(requests=[], collections=[
+        _served(0, 0.1, 0.01, 0.002),       # inside the first request's wait
+        _served(2, 0.2, 0.2, 0.150),        # also inside the first: the longest
+        _served(1, 1.45, 0.2, 0.004),       # runs into the second request's wait
+        _served(2, 1.8, 0.1, 0.080),        # between requests: charged to no one
+        _served(2, 2.9, 0.2, 0.090),        # after the third was answered, before the fourth (unanswered)
+    ])
+    charges = trace.charges(load)
+    assert charges["longest"].tolist() == pytest.approx([0.150, 0.004, 0.0]), "answered requests only"
+    assert charges["total"].tolist() == pytest.approx([0.152, 0.004, 0.0])
+    assert charges["count"].tolist() == [2, 1, 0]
+    assert trace.collector_cpu() == pytest.approx(0.326) and trace.collector_cpu(2) == pytest.approx(0.320)
+
+
+def test_a_wall_clock_stretched_by_a_busy_machine_does_not_raise_a_charge():
+    """The same collection, descheduled for most of its wall-clock time: charged at its CPU time."""
+    load = LoadResult(scheduled=[0.0], sent=[0.0], done=[2.0], status=[200])
+    trace = Trace(requests=[], collections=[_served(0, 0.5, 1.0, 0.0003)])
+    assert trace.charges(load)["longest"].tolist() == pytest.approx([0.0003])
+
+
+def test_tampered_says_why_and_an_unreadable_trace_is_not_tampered():
+    assert Trace([], [], info={"tampered": ["x was replaced"], "recording_intact": False}).tampered == ["x was replaced"]
+    assert Trace([], [], info={"recording_intact": False}).tampered        # an older server's flag alone
+    assert Trace([], [], info={"recording_intact": True, "tampered": []}).tampered == []
+    assert Trace.unavailable("stopped").tampered == []
+
+
+def test_the_record_takes_messages_only_in_its_own_forms_and_reads_only_with_its_token():
+    from gclab.serving import _recorder
+    token = object()
+    record = _recorder(token)
+    next(record)
+    record.send(("start", 0, 1.0, 0.5))
+    record.send(("stop", 0, 1.25, 0.75, 3, 0))
+    record.send(("request", 7, 1.0, 2.0))
+    assert record.send(("read", object())) is None, "a read without the token gets nothing"
+    record.send(("stop", 2, 3.0, 1.0, 0, 0))                 # a stop with no start
+    record.send("anything")
+    data = record.send(("read", token))
+    assert data["collections"] == [[0, 1.0, 0.25, 0.25, 3, 0]]
+    assert data["requests"] == [[7, 1.0, 2.0]]
+    assert len(data["forged"]) == 3, data["forged"]
+    assert len(data["counted"]) == 3 and data["server_cpu"] >= 0
+
+
+def test_a_message_that_finds_the_record_busy_waits_in_line_and_keeps_its_order():
+    from gclab.serving import _serialized
+    seen = []
+
+    def send(message):
+        seen.append(message)
+        if message == "first":              # a collection starts while the record is busy
+            assert record("inside") is None
+        return message
+    record = _serialized(send)
+    assert record("first") == "first" and seen == ["first"]
+    assert record("second", wait=True) == "second"
+    assert seen == ["first", "inside", "second"]
+
+
+@pytest.fixture(scope="module")
+def cpu_served():
+    with ModelServer(heap_objects=20_000, attribution="objects", cache_size=20) as server:
+        load = run_load(server.url, rate=200, duration=0.5)
+        trace = server.trace()
+    return load, trace
+
+
+def test_the_server_records_the_cpu_time_of_each_collection_and_of_a_full_one(cpu_served):
+    load, trace = cpu_served
+    assert trace.collections and all(c.cpu >= 0 for c in trace.collections)
+    assert trace.info["full_collection_cpu"] > 0, "measured at start-up, before any policy"
+    assert trace.info["server_cpu"] > 0
+    assert not trace.tampered, trace.tampered
+    assert len(trace.charges(load)["longest"]) == len(load.status)
+
+
+def _tampered_by(tmp_path, source):
+    with ModelServer(heap_objects=1000, cache_size=10, policy=_policy(tmp_path, source)) as server:
+        run_load(server.url, rate=100, duration=0.3)
+        time.sleep(0.1)
+        return server.trace()
+
+
+def test_a_policy_that_rewrites_the_servers_garbage_count_through_main_is_caught(tmp_path):
+    trace = _tampered_by(tmp_path, "import gc, sys\n"
+                                   "def on_startup():\n"
+                                   "    server = sys.modules['__main__']\n"
+                                   "    server.ServerState.garbage = lambda self: {'uncollected': 0, 'peak_uncollected': 0}\n"
+                                   "    gc.disable()\n")
+    assert any("ServerState.garbage was replaced" in t for t in trace.tampered), trace.tampered
+    assert trace.garbage["uncollected"] == 30 - 10, "the server's own count, bound before the policy loaded"
+
+
+def test_importing_gclab_serving_reaches_the_same_guarded_module(tmp_path):
+    trace = _tampered_by(tmp_path, "import gclab.serving as server\n"
+                                   "def on_startup():\n"
+                                   "    try:\n"
+                                   "        server.Trace = None\n"
+                                   "    except AttributeError:\n"
+                                   "        vars(server)['Trace'] = None\n")
+    assert any("Trace was replaced" in t for t in trace.tampered), trace.tampered
+
+
+def test_a_policy_that_feeds_the_record_forged_collections_is_caught(tmp_path):
+    trace = _tampered_by(tmp_path, "import gc\n"
+                                   "done = []\n"
+                                   "def before_request(in_flight):\n"
+                                   "    if not done:\n"
+                                   "        hook = gc.callbacks[-1]\n"
+                                   "        hook('start', {'generation': 2})\n"
+                                   "        hook('stop', {'generation': 2, 'collected': 0, 'uncollectable': 0})\n"
+                                   "        done.append(1)\n")
+    assert any("CPython counted" in t for t in trace.tampered), trace.tampered
+
+
+def test_a_policy_that_reads_the_servers_frames_is_caught(tmp_path):
+    trace = _tampered_by(tmp_path, "import sys\n"
+                                   "def on_startup():\n"
+                                   "    try:\n"
+                                   "        sys._getframe(1).f_locals\n"
+                                   "    except RuntimeError:\n"
+                                   "        pass\n")
+    assert any("sys._getframe" in t for t in trace.tampered), trace.tampered
+
+
+def test_the_trace_answers_while_the_server_is_still_busy(tmp_path):
+    """Collecting after every request on a large heap: the server falls far behind, yet it reports."""
+    policy = _policy(tmp_path, "import gc\ndef after_request(in_flight):\n    gc.collect()\n")
+    with ModelServer(heap_objects=300_000, policy=policy) as server:
+        load = run_load(server.url, rate=200, duration=1.0, timeout=1.5)
+        trace = server.trace()
+    assert load.failed > 0 and not trace.info.get("unavailable")
+    assert trace.collections_inside_requests(2)
+
+
+def test_compare_interleaves_the_loads_and_keeps_the_servers_running():
+    from gclab.serving import compare, spread
+    lines = []
+    runs = compare({"a": dict(heap_objects=1000), "b": dict(heap_objects=1000, attribution="compact")},
+                   repeats=2, rate=100, duration=0.3, settle=0.05, progress=lines.append)
+    assert [line.split()[2] for line in lines] == ["a", "b", "a", "b"]
+    assert all(len(seen) == 2 and all(r.load.failed == 0 for r in seen) for seen in runs.values())
+    assert set(spread(runs)) == {"a", "b"} and all(lo <= med <= hi for med, lo, hi in spread(runs).values())
+
+
+# -- judging a policy on what the server recorded (gclab.checks.PolicyReport) ------------------
+def _run(name="your policy", collections=(), uncollected=0, peak=0, failed=0, requests=100, tampered=(),
+         freed=(), idle=(), p50_ms=8.0, full_cpu=0.1):
+    from gclab.serving import ServedRun
+    scheduled = [float(i) for i in range(requests)]
+    done = [t + p50_ms / 1e3 for t in scheduled]
+    load = LoadResult(scheduled=scheduled, sent=scheduled, done=done,
+                      status=[200] * (requests - failed) + [0] * failed)
+    trace = Trace(requests=[(i, t + 1e-4, d) for i, (t, d) in enumerate(zip(scheduled, done))],
+                  collections=list(collections), garbage={"uncollected": uncollected, "peak_uncollected": peak},
+                  info={"full_collection_cpu": full_cpu, "tampered": list(tampered), "recording_intact": not tampered,
+                        "freed_times": list(freed), "idle_call_times": list(idle)})
+    return ServedRun(name, load, trace)
+
+
+def _report(**run):
+    from gclab.checks import PolicyReport
+    return PolicyReport({"your policy": _run(**run)})
+
+
+def test_a_policy_with_short_collections_and_collected_garbage_passes():
+    report = _report(collections=[_served(0, 3.001, 1e-4, 1e-4), _served(2, 50.5, 0.01, 0.01)], peak=30, freed=[1.0])
+    assert report.ok and report.verdict == "pass", report.explain()
+    assert "within budget" in report.explain() and "No full collection ran inside a request." in report.explain()
+
+
+def test_requests_waiting_behind_a_costly_collection_fail_in_cpu_time():
+    # 12 requests (over 1 %) wait behind a collection of 90 ms of CPU; budget 0.75 x 100 ms
+    report = _report(collections=[_served(1, float(i) + 0.5, 0.6, 0.09) for i in range(12)])
+    assert not report.ok and not report.checks["collector pauses within budget"]
+    assert "P99 90.0 ms; budget 0.75 x one full collection" in report.explain()
+    assert report.failed_by_facts() == [], "between 0.75x and 1x: measured again before it counts"
+    costly = _report(collections=[_served(1, float(i) + 0.5, 0.6, 0.12) for i in range(12)])
+    assert costly.failed_by_facts() == ["collector pauses within budget"], "a whole heap's walk is a fact"
+
+
+def test_a_full_collection_inside_a_request_fails():
+    report = _report(collections=[_served(2, 7.002, 0.03, 0.001)])
+    assert not report.ok and report.checks["collector pauses within budget"]
+    assert "1 full (generation 2) collection(s) ran while requests were in flight" in report.explain()
+    assert report.failed_by_facts() == ["no full collection inside a request"]
+
+
+def test_garbage_never_collected_is_a_fact_and_garbage_collected_late_is_measured_again():
+    never = _report(uncollected=90, peak=90)
+    assert not never.ok and never.failed_by_facts() == ["garbage bounded"]
+    assert "at most 90 at any time, 90 left at the end, over the bound of 65" in never.explain()
+    assert "collecting only once the load is over, is not a fact" not in never.explain()
+    late = _report(uncollected=0, peak=90, freed=[200.0])
+    assert not late.ok and late.failed_by_facts() == []
+
+
+def test_a_tampered_record_fails_and_says_so():
+    report = _report(tampered=["gclab.serving.ServerState.garbage was replaced"])
+    assert not report.ok and report.failed_by_facts() == ["record vouched for"]
+    assert report.explain().startswith("tampered: the server cannot vouch for its record")
+
+
+def test_failed_requests_fail_the_policy():
+    report = _report(failed=1)
+    assert not report.ok and "1 request(s) got no answer" in report.explain()
+
+
+def _fake_measure(runs):
+    """A stand-in for gclab.serving.measure: each call serves the next run of the list."""
+    calls = iter(runs)
+
+    def measure(name, **options):
+        run = next(calls)
+        run.name = name
+        return run
+    return measure
+
+
+def test_a_failure_a_busy_machine_can_cause_is_measured_again_after_the_collector_off(monkeypatch):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    late = dict(peak=90, freed=[200.0], idle=[10.5, 20.5, 30.5])
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(**late), _run(), _run(peak=20, freed=[1.0])]))
+    report = run_policy_check("policy.py")
+    assert report.ok and report.first_failures == ["garbage bounded"]
+    assert "A first run failed on garbage bounded" in report.explain()
+
+
+def test_a_failure_seen_twice_on_a_quiet_machine_fails(monkeypatch):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    late = dict(peak=90, freed=[200.0], idle=[10.5, 20.5, 30.5])
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(**late), _run(), _run(**late)]))
+    report = run_policy_check("policy.py")
+    assert report.verdict == "fail" and not report.inconclusive
+
+
+def test_a_server_never_idle_under_load_makes_a_garbage_failure_inconclusive(monkeypatch):
+    import gclab.serving
+    from gclab.checks import assert_policy, run_policy_check
+    late = dict(peak=90, freed=[200.0], idle=[])
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(**late), _run(), _run(**late)]))
+    report = run_policy_check("policy.py")
+    assert report.verdict == "inconclusive" and not report.ok
+    with pytest.raises(AssertionError, match="^inconclusive: the server found no request in flight only 0 time"):
+        assert_policy(report)
+
+
+def test_a_busy_collector_off_run_makes_unanswered_requests_inconclusive(monkeypatch):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    monkeypatch.setattr(gclab.serving, "measure",
+                        _fake_measure([_run(failed=3), _run(p50_ms=120.0), _run(failed=2)]))
+    report = run_policy_check("policy.py")
+    assert report.inconclusive and "P99 was 120 ms" in report.inconclusive_reason
+
+
+def test_a_fact_is_not_measured_again(monkeypatch):
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(uncollected=90, peak=90)]))
+    report = run_policy_check("policy.py")       # a second call would raise StopIteration
+    assert report.verdict == "fail" and report.first_failures is None
