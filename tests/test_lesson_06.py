@@ -51,6 +51,17 @@ WRONG = {
         "                                               'uncollected': 0, 'peak_uncollected': 0}\n"
         "    gc.disable()\n"),
 }
+# Correct policies written differently from the reference: each earns full marks.
+CORRECT = {
+    "freeze_and_collect_whenever_idle": _policy(
+        "def on_startup():\n    gc.freeze()\n    gc.set_threshold(700, 10, 10**9)\n"
+        "def on_idle(idle_seconds):\n    gc.collect()\n"),
+    "paused_in_requests_collected_when_idle": _policy(
+        "def on_startup():\n    gc.freeze()\n"
+        "def before_request(in_flight):\n    gc.disable()\n"
+        "def after_request(in_flight):\n    if in_flight == 0:\n        gc.enable()\n"
+        "def on_idle(idle_seconds):\n    gc.collect()\n"),
+}
 CONTENDED = {"contended_solution": REFERENCE, "contended_collector_off": WRONG["collector_off_for_good"]}
 
 
@@ -71,7 +82,7 @@ class CpuHogs:
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **CONTENDED}, folder)}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **CORRECT, **CONTENDED}, folder)}
     results = {}
     # one at a time: two gradings at once would be a busy machine for each other
     batches = [(["solution"], 1, None), ([n for n in paths if n not in CONTENDED and n != "solution"], 1, None)]
@@ -108,6 +119,11 @@ def test_solution_earns_full_marks(graded):
 
 def test_untouched_student_notebook_earns_nothing(graded):
     assert_no_marks_until_answered(graded["untouched"], 6)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT))
+def test_a_correct_policy_written_differently_earns_full_marks(graded, name):
+    assert_full_marks(graded[name], 6)
 
 
 @pytest.mark.parametrize("name", sorted(WRONG))
