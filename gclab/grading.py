@@ -151,11 +151,15 @@ def _run_forked(context, argv, timeout=None) -> subprocess.CompletedProcess:
         log_path.unlink(missing_ok=True)
 
 
+def _course_config(root: Path):
+    """The course's nbgrader configuration (autograder/nbgrader_config.py), as traitlets loads it."""
+    from traitlets.config.loader import PyFileConfigLoader
+    return PyFileConfigLoader(CONFIG.name, path=str(root / CONFIG.parent)).load_config()
+
+
 def ignored_patterns(root: Path) -> list[str]:
     """The file patterns the course's nbgrader config never releases (CourseDirectory.ignore)."""
-    from traitlets.config.loader import PyFileConfigLoader
-    config = PyFileConfigLoader(CONFIG.name, path=str(root / CONFIG.parent)).load_config()
-    return list(config.CourseDirectory.get("ignore", [".ipynb_checkpoints", "__pycache__"]))
+    return list(_course_config(root).CourseDirectory.get("ignore", [".ipynb_checkpoints", "__pycache__"]))
 
 
 def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
@@ -521,7 +525,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
                 deadline, interrupted = time.monotonic() + 10, True
                 continue
             if message == "timeout" or message is None:
-                _report_stop(result, job, running, message == "timeout", cell_timeout, proc)
+                _report_stop(result, job, running, message == "timeout", cell_timeout)
                 break
             event = message.get("event")
             if event in ("answer", "start"):
@@ -544,7 +548,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
     return results
 
 
-def _report_stop(result, job, running, timed_out, cell_timeout, proc):
+def _report_stop(result, job, running, timed_out, cell_timeout):
     """The verdict process stopped answering: say which cell it was running, and why."""
     how = (f"ran past the time limit ({cell_timeout:g} s) and did not stop when interrupted" if timed_out
            else "ended the process that ran it (it crashed, exited, was killed or ran out of memory)")
@@ -716,9 +720,7 @@ def _grade_submission(root, course, assignment, student, path, stem, result, tim
 
 
 def _cell_timeout(root: Path) -> int:
-    from traitlets.config.loader import PyFileConfigLoader
-    config = PyFileConfigLoader(CONFIG.name, path=str(root / CONFIG.parent)).load_config()
-    return int(config.Execute.get("timeout", 180))
+    return int(_course_config(root).Execute.get("timeout", 180))
 
 
 def _judge(root, course, source_nb, submitted, result, cell_timeout, memory_limit, timeout) -> None:
