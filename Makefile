@@ -5,7 +5,11 @@
 #   make lab                      open JupyterLab on notebooks/  (LAB_ARGS=--no-browser)
 #   make test                     run the test suite             (PYTEST_ARGS="-x -k meter")
 #   make release                  regenerate notebooks/ from solutions/
-#   make grade NB="a.ipynb b.ipynb"   autograde submissions      (GRADE_ARGS=--json)
+#   make grade NB="a.ipynb b.ipynb"   grade notebooks, print the scores (GRADE_ARGS=--json)
+#   make grade-class              grade submitted/STUDENT/LESSON/: gradebook, feedback/, reports/
+#                                 (GRADE_ARGS="--jobs 2", or "--scheduler tcp://host:8786")
+#   make clean-grades             remove autograded/, feedback/ and reports/ (submissions and
+#                                 the gradebook are kept)
 #   make bench                    gclab bench on this machine
 #   make clean / make distclean   remove caches / also remove .venv
 #
@@ -24,7 +28,7 @@ NB          ?=
 
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
-.PHONY: help setup lab test release grade bench clean distclean constraints
+.PHONY: help setup lab test release grade grade-class clean-grades bench clean distclean constraints
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -51,6 +55,12 @@ release: $(STAMP)
 grade: $(STAMP)
 	$(if $(strip $(NB)),,$(error usage: make grade NB="submission.ipynb [...]"))
 	$(PY) -m gclab grade $(NB) $(GRADE_ARGS)
+
+grade-class: $(STAMP)
+	$(PY) -m gclab grade --submissions submitted $(GRADE_ARGS)
+
+clean-grades:
+	rm -rf autograded feedback reports
 
 bench: $(STAMP)
 	$(PY) -m gclab bench

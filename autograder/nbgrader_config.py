@@ -16,6 +16,9 @@ c.CourseDirectory.root = ROOT
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "autograder", "gradebook.db")
+# The course's own exchange folder (nbgrader's default, /usr/local/share/nbgrader/exchange,
+# needs root to create).  On a shared server, point this at a folder every user can write.
+c.Exchange.root = os.path.join(ROOT, "exchange")
 # Files never released or graded: caches, and what lessons write when they run (lesson 06
 # writes the learner's policy to my_policy.py).  gclab's release and grade honour this list.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.png", "*.pickle", "my_policy.py"]
@@ -38,3 +41,10 @@ c.IgnorePattern.enabled = True
 c.IgnorePattern.pattern = r"^(\S+:\d+: \w*Warning: .*\n?(  .*\n?)*)+$"
 
 c.ExecutePreprocessor.kernel_name = "python3"
+
+# Grades come from `gclab grade` (make grade-class): the hidden tests run in a process of
+# their own and never reach the gradebook, so nbgrader's autograde would grade without
+# them and is refused.  nbgrader's feedback keeps no line of a hidden test.
+c.Autograde.sanitize_preprocessors = ["gclab.preprocessors.RefuseAutograde"]
+c.GenerateFeedback.preprocessors = ["nbgrader.preprocessors.GetGrades", "gclab.preprocessors.StripHiddenTests",
+                                    "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor"]

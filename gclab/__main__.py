@@ -28,8 +28,17 @@ def main(argv=None) -> int:
 
     sub.add_parser("release", help="regenerate notebooks/ from solutions/ with nbgrader")
 
-    g = sub.add_parser("grade", help="grade submitted notebooks with nbgrader's autograder")
-    g.add_argument("notebooks", nargs="+", type=Path)
+    g = sub.add_parser("grade", help="grade submitted notebooks, or a class in nbgrader's layout")
+    g.add_argument("notebooks", nargs="*", type=Path,
+                   help="notebooks to grade and print (default: the class under --submissions)")
+    g.add_argument("--submissions", type=Path,
+                   help="a class in nbgrader's layout, SUBMISSIONS/STUDENT/LESSON/*.ipynb (default with no "
+                        "notebooks: the course's submitted/); scores go to the gradebook, feedback to "
+                        "feedback/, the class report to reports/")
+    g.add_argument("--out", type=Path, help="where autograded/, feedback/ and reports/ go (default: the course)")
+    g.add_argument("--db-url", help="the gradebook (default: CourseDirectory.db_url of the course's nbgrader config)")
+    g.add_argument("--scheduler", help="grade on a Dask cluster: its scheduler's address, or 'local' for a "
+                                       "local cluster of --jobs workers")
     g.add_argument("--json", action="store_true", help="print the results as JSON")
     g.add_argument("--timeout", type=int, default=900, help="seconds allowed per notebook (default 900)")
     g.add_argument("--cell-timeout", type=int, help="seconds allowed per cell (default: autograder/nbgrader_config.py)")
@@ -56,13 +65,31 @@ def main(argv=None) -> int:
         missing = [str(p) for p in args.notebooks if not p.is_file()]
         if missing:
             parser.error("no such notebook: " + ", ".join(missing))
-        results = grading.grade(args.notebooks, root=args.course, timeout=args.timeout,
-                                memory_limit=args.memory_limit, cell_timeout=args.cell_timeout,
-                                jobs=max(1, args.jobs))
+        if args.notebooks and not args.submissions:
+            results = grading.grade(args.notebooks, root=args.course, timeout=args.timeout,
+                                    memory_limit=args.memory_limit, cell_timeout=args.cell_timeout,
+                                    jobs=max(1, args.jobs))
+        else:
+            results = _grade_class(args, parser)
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
     from . import bench
     return bench.main(args.course or grading.find_course_root(), args.lessons)
+
+
+def _grade_class(args, parser):
+    from . import classroom, grading
+    root = args.course or grading.find_course_root()
+    submitted = args.submissions or root / "submitted"
+    submissions = classroom.find_submissions(submitted, root)
+    if not submissions:
+        parser.error(f"no submission under {submitted} (expected {submitted}/STUDENT/LESSON/NOTEBOOK.ipynb)")
+    settings = classroom.settings_for(root, out=args.out, db_url=args.db_url, timeout=args.timeout,
+                                      memory_limit=args.memory_limit, cell_timeout=args.cell_timeout)
+    if args.scheduler:
+        from . import cluster
+        return cluster.grade_on_cluster(submissions, settings, args.scheduler, jobs=max(1, args.jobs))
+    return classroom.grade_class(submissions, settings, jobs=max(1, args.jobs))
 
 
 if __name__ == "__main__":

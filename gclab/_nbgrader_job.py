@@ -1,21 +1,14 @@
-"""One grading job, run by `gclab grade` in a child process of its own:
+"""nbgrader's generate_assignment for one lesson, run by gclab in a child process of its own:
 
-    python -m gclab._nbgrader_job COURSE ASSIGNMENT [--generate] [--student ID] [--cell-timeout S]
-                                 [--memory-limit BYTES]
+    python -m gclab._nbgrader_job COURSE ASSIGNMENT
 
-It loads the course's autograder/nbgrader_config.py, optionally regenerates the
-assignment (which records the hidden tests in the gradebook) and autogrades one
-student's submission, all in one interpreter: nbgrader takes seconds to import, and a
-grading command pays that once per submission instead of once per step.  The memory
-limit caps the address space of this process and of the kernels it starts.
-
-`run_forked` runs the same job in a process forked from a server that has imported
-nbgrader already (grading._nbgrader_job uses it where it can).
+It loads the course's autograder/nbgrader_config.py and regenerates the assignment (the
+student release and its gradebook entries) under a supervisor that ends every process
+it started.
 """
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 
 
@@ -23,14 +16,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("course", type=Path)
     parser.add_argument("assignment")
-    parser.add_argument("--generate", action="store_true")
-    parser.add_argument("--student")
-    parser.add_argument("--cell-timeout", type=int)
-    parser.add_argument("--memory-limit", type=int)
     args = parser.parse_args(argv)
-    if args.memory_limit:
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (args.memory_limit, args.memory_limit))
 
     from traitlets.config.loader import PyFileConfigLoader
     from nbgrader.apps import NbGraderAPI
@@ -38,20 +24,11 @@ def main(argv=None) -> int:
     autograder = args.course / "autograder"
     os.chdir(autograder)
     config = PyFileConfigLoader("nbgrader_config.py", path=str(autograder)).load_config()
-    if args.cell_timeout:
-        config.Execute.timeout = args.cell_timeout
-    api = NbGraderAPI(config=config)
-    steps = []
-    if args.generate:
-        steps.append(("generate_assignment", lambda: api.generate_assignment(args.assignment, force=True)))
-    if args.student:
-        steps.append(("autograde", lambda: api.autograde(args.assignment, args.student, force=True)))
-    for name, step in steps:
-        result = step()
-        print(result.get("log", ""))
-        if not result.get("success"):
-            print(f"nbgrader {name} failed:\n{result.get('error', '')}", file=sys.stderr)
-            return 3
+    result = NbGraderAPI(config=config).generate_assignment(args.assignment, force=True)
+    print(result.get("log", ""))
+    if not result.get("success"):
+        print(f"nbgrader generate_assignment failed:\n{result.get('error', '')}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -126,20 +103,6 @@ def _descendants(roots: list) -> list:
         seen.append(pid)
         stack.extend(_children_of(pid))
     return seen
-
-
-def run_forked(argv, log_path: str, environment: dict) -> None:
-    """The same job in a process forked from the grading fork server: a session of its own
-    (so a timeout can stop it and the kernel it started), output into `log_path`, and the
-    `environment` changes a subprocess job gets (grading._job_environment)."""
-    os.setsid()
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    os.environ.update(environment)
-    warnings.simplefilter("ignore")
-    sys.exit(supervised(lambda: main(argv)))
 
 
 if __name__ == "__main__":

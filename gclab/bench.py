@@ -25,14 +25,18 @@ GRADE_MARGIN_S = 10.0
 METER_OVERHEAD_TARGET = 2.0
 
 
-def execute_seconds(path: Path) -> float:
-    """Run the notebook in a scratch folder (what it writes is thrown away)."""
+def execute_seconds(path: Path, out: Path | None = None) -> float:
+    """Run the notebook in a scratch folder (what it writes is thrown away); with `out`, the
+    notebook as run, outputs included, is written there."""
     import tempfile
     nb = nbformat.read(path, 4)
     with tempfile.TemporaryDirectory(prefix="gclab-bench-") as folder:
         start = time.perf_counter()
         NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": folder}}).execute()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+    if out is not None:
+        nbformat.write(nb, out)
+    return seconds
 
 
 def execute_budget(path: Path) -> float:

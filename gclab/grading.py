@@ -92,63 +92,9 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _nbgrader_job(course, assignment, generate=False, student=None, cell_timeout=None,
-                  timeout=None, memory_limit=None):
-    argv = [str(course), assignment]
-    argv += ["--generate"] if generate else []
-    argv += ["--student", student] if student else []
-    argv += [f"--cell-timeout={cell_timeout}"] if cell_timeout else []
-    argv += [f"--memory-limit={memory_limit}"] if memory_limit else []
-    context = _fork_server()
-    if context is None:
-        return _run([sys.executable, "-m", "gclab._nbgrader_job", *argv], course, timeout)
-    return _run_forked(context, argv, timeout)
-
-
-def _fork_server():
-    """multiprocessing's fork server with nbgrader imported in it, or None where there is
-    none (not on Windows) or GCLAB_GRADE_FORK=0.  A job forked from it starts in
-    milliseconds instead of paying nbgrader's seconds-long import for every submission;
-    it is still a process of its own, with its own limits, stopped like a subprocess."""
-    import multiprocessing
-    if (os.environ.get("GCLAB_GRADE_FORK") == "0" or "forkserver" not in multiprocessing.get_all_start_methods()
-            or _main_would_run_again()):
-        return None
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["gclab._nbgrader_preload"])
-    return context
-
-
-def _main_would_run_again() -> bool:
-    """Would a forked job import this program's main module again (as multiprocessing does
-    for a script, or a module run with -m that is not a package's __main__)?  A script
-    without an `if __name__ == "__main__":` guard would then grade again inside the job."""
-    from multiprocessing import spawn
-    data = spawn.get_preparation_data("gclab-grade")
-    if "init_main_from_name" in data:
-        name = data["init_main_from_name"]
-        return not (name == "__main__" or name.endswith(".__main__"))
-    path = data.get("init_main_from_path")
-    return path is not None and os.path.splitext(os.path.basename(path))[0] != "ipython"
-
-
-def _run_forked(context, argv, timeout=None) -> subprocess.CompletedProcess:
-    """`_run` for a job forked from the fork server: its output, or TimeoutExpired after it
-    and every process it started were killed."""
-    from gclab._nbgrader_job import run_forked
-    with tempfile.NamedTemporaryFile(prefix="gclab-job-", suffix=".log", delete=False) as log:
-        log_path = Path(log.name)
-    try:
-        job = context.Process(target=run_forked, args=(argv, str(log_path), _job_environment()))
-        job.start()
-        job.join(timeout)
-        if job.is_alive():
-            _kill_session(job.pid)
-            job.join()
-            raise subprocess.TimeoutExpired(argv, timeout)
-        return subprocess.CompletedProcess(argv, job.exitcode, log_path.read_text(errors="replace"), "")
-    finally:
-        log_path.unlink(missing_ok=True)
+def _generate_assignment(course: Path, assignment: str, timeout=None) -> subprocess.CompletedProcess:
+    """nbgrader generate_assignment in a process of its own (it runs no learner code)."""
+    return _run([sys.executable, "-m", "gclab._nbgrader_job", str(course), assignment], course, timeout)
 
 
 def _course_config(root: Path):
@@ -321,8 +267,9 @@ class TestResult:
     id: str
     score: float
     max_score: float
-    status: str           # passed, failed, error, timeout
-    message: str = ""
+    status: str           # passed, failed, error, timeout, tampered
+    message: str = ""     # what was wrong, and by how much (never a line of a hidden test)
+    output: str = ""      # what the test's visible self-checks printed
 
 
 @dataclass
@@ -333,8 +280,8 @@ class NotebookResult:
     tests: list[TestResult] = field(default_factory=list)
     assignment: str = ""
     reason: str = ""      # why the whole notebook scored what it did, when not the tests' own doing
-    executed: str = ""    # where the notebook as graded (with its outputs) was kept, if asked
-    notes: list[str] = field(default_factory=list)    # what happened running the notebook handed back
+    student: str = ""
+    lesson_notebook: str = ""     # the lesson's notebook name (the submission's file may be named otherwise)
 
     def as_dict(self):
         return asdict(self)
@@ -344,33 +291,6 @@ def _grade_cells(nb):
     return [c for c in nb.cells if c.cell_type == "code"
             and c.metadata.get("nbgrader", {}).get("grade")
             and not c.metadata.get("nbgrader", {}).get("solution")]
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _error_message(output) -> str:
-    text = f"{output.get('ename', 'Error')}: {output.get('evalue', '')}".strip()
-    return _ANSI.sub("", text).rstrip(": ")
-
-
-def _judge_cell(cell) -> TestResult:
-    from nbgrader.utils import determine_grade
-    score, max_score = determine_grade(cell)
-    grade_id = cell.metadata["nbgrader"]["grade_id"]
-    errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
-    stderr = [o for o in cell.get("outputs", []) if o.output_type == "stream" and o.name == "stderr"]
-    if not errors and not stderr:
-        return TestResult(grade_id, score or 0.0, max_score, "passed" if score == max_score else "failed")
-    if any(e.ename in ("CellTimeoutError", "KeyboardInterrupt") for e in errors):
-        return TestResult(grade_id, 0.0, max_score, "timeout",
-                          "the cell ran past the time limit and was interrupted")
-    if errors:
-        error = errors[-1]
-        status = "failed" if error.ename == "AssertionError" else "error"
-        return TestResult(grade_id, 0.0, max_score, status, _error_message(error))
-    text = _ANSI.sub("", "".join(o.text for o in stderr)).strip()
-    return TestResult(grade_id, 0.0, max_score, "failed", f"the cell wrote to stderr: {text[:300]}")
 
 
 def _score(result: NotebookResult) -> NotebookResult:
@@ -506,9 +426,9 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
     channel = _Channel(read_end, job["token"])
     results = {}
 
-    def result(test_id, status, message):
+    def result(test_id, status, message, output=""):
         results[test_id] = TestResult(test_id, points[test_id] if status == "passed" else 0.0,
-                                      points[test_id], status, message)
+                                      points[test_id], status, message, output)
     try:
         proc.stdin.write(json.dumps(job).encode())
         proc.stdin.close()
@@ -536,7 +456,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
                 text = _with_answer_errors(message)
                 if status == "timeout":
                     text = f"the test ran past the time limit ({cell_timeout:g} s) and was interrupted"
-                result(message["test"], status, text)
+                result(message["test"], status, text, str(message.get("output", "")))
                 running = None
     finally:
         _kill_session(proc.pid)
@@ -544,7 +464,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
         os.close(read_end)
     if channel.forged:
         for test_id in results:
-            result(test_id, "tampered", "the submission wrote to the grader's result channel")
+            result(test_id, "tampered", "the submission wrote to the grader's result channel", results[test_id].output)
     return results
 
 
@@ -598,54 +518,62 @@ def default_memory_limit() -> int | None:
 
 
 def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None | str = "auto",
-          cell_timeout: int | None = None, jobs: int = 1, keep_executed: Path | None = None,
-          notebook: bool | None = None) -> list[NotebookResult]:
-    """Grade each submitted notebook; see the module docstring.
-
-    The score comes from a verdict process the grader starts for each submission
-    (`gclab.verdict`): the lesson's own set-up, given and test cells with the learner's
-    answer cells, the grader's tools loaded and guarded before the learner's code runs.
-    With `notebook` (default: when `keep_executed` is given) the submission is also run as
-    nbgrader runs it, hidden tests removed, for the notebook handed back.
-
-    `memory_limit` caps the address space of nbgrader and the kernel it starts, so that a
-    submission that allocates without end gets a MemoryError in its cell (and a score)
-    instead of taking the machine down; "auto" is `default_memory_limit()`, None no limit.
-    `jobs` notebooks are graded at once, each in a course folder of its own (nbgrader's
-    SQLite gradebook is not safe to share); keep 1 for lessons whose tests time things.
-    With `keep_executed`, each notebook as run (outputs included, no hidden test) is copied
-    into that folder and its path set in `NotebookResult.executed`.
-    """
-    if notebook is None:
-        notebook = keep_executed is not None
-    if memory_limit == "auto":
-        memory_limit = default_memory_limit()
+          cell_timeout: int | None = None, jobs: int = 1, students=None) -> list[NotebookResult]:
+    """Grade each submitted notebook (see `grade_one`), `jobs` at a time; a lesson whose
+    hidden tests time things (`timed_lesson`) is graded alone, before the others.
+    `students` names the student of each notebook (default: none)."""
     paths = [Path(p) for p in paths]
     root = root or find_course_root(*[p.parent for p in paths])
-    results, work = [], []
-    for index, path in enumerate(paths):
-        assignment, stem = assignment_of(path, root)
-        results.append(NotebookResult(notebook=str(path), assignment=assignment))
-        work.append((f"s{index:03d}", path, assignment, stem, results[-1]))
-    for assignment in {entry[2] for entry in work}:
-        prepare(root, assignment)       # generate once, before any job copies it
-    with tempfile.TemporaryDirectory(prefix="gclab-grade-") as tmp:
-        def grade_entry(entry):
-            student, path, assignment, stem, result = entry
-            _grade_submission(root, Path(tmp) / student, assignment, student, path, stem, result,
-                              timeout, memory_limit, cell_timeout, notebook)
-            graded = Path(tmp) / student / "autograded" / student / assignment / f"{stem}.ipynb"
-            if keep_executed and graded.is_file():
-                Path(keep_executed).mkdir(parents=True, exist_ok=True)
-                result.executed = str(shutil.copy(graded, Path(keep_executed) / f"{student}-{path.name}"))
-        if jobs > 1 and len(work) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
-                list(pool.map(grade_entry, work))
-        else:
-            for entry in work:
-                grade_entry(entry)
-    return [_score(r) for r in results]
+    students = list(students) if students is not None else [""] * len(paths)
+    units = [(index, path, assignment_of(path, root)[0]) for index, path in enumerate(paths)]
+    results = [None] * len(paths)
+
+    def grade_unit(unit):
+        index, path, _ = unit
+        results[index] = grade_one(path, root, student=students[index], timeout=timeout,
+                                   memory_limit=memory_limit, cell_timeout=cell_timeout)
+    alone = [u for u in units if timed_lesson(root, u[2])]
+    for unit in alone:
+        grade_unit(unit)
+    rest = [u for u in units if u not in alone]
+    if jobs > 1 and len(rest) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(grade_unit, rest))
+    else:
+        for unit in rest:
+            grade_unit(unit)
+    return results
+
+
+def timed_lesson(root: Path, assignment: str) -> bool:
+    """Does the lesson's notebook say its hidden tests time things (metadata gclab.timed)?
+    Such a lesson is graded with no other grading job beside it."""
+    return any(nbformat.read(path, 4).metadata.get("gclab", {}).get("timed", False)
+               for path in (root / "solutions" / assignment).glob("*.ipynb"))
+
+
+def grade_one(path, root: Path, student: str = "", timeout: int = 900, memory_limit: int | None | str = "auto",
+              cell_timeout: int | None = None) -> NotebookResult:
+    """Grade one submitted notebook: the unit of work of every grading command.
+
+    The score comes from a verdict process started for it (`gclab.verdict`): the lesson's
+    own set-up, given and test cells with the learner's answer cells, the grader's tools
+    loaded and guarded before the learner's code runs.  The learner's code runs nowhere
+    else.  `memory_limit` caps that process's address space, so that a submission that
+    allocates without end gets a MemoryError (and a score) instead of taking the machine
+    down; "auto" is `default_memory_limit()`, None no limit.  `timeout` bounds it all.
+    """
+    path = Path(path)
+    if memory_limit == "auto":
+        memory_limit = default_memory_limit()
+    assignment, stem = assignment_of(path, root)
+    result = NotebookResult(notebook=str(path), assignment=assignment, student=student, lesson_notebook=stem)
+    source_nb = nbformat.read(root / "solutions" / assignment / f"{stem}.ipynb", 4)
+    with tempfile.TemporaryDirectory(prefix="gclab-grade-") as workdir:
+        _grade_submission(root, Path(workdir), source_nb, path, result, timeout, memory_limit,
+                          cell_timeout or _cell_timeout(root))
+    return _score(result)
 
 
 def _source_key(root: Path, assignment: str) -> str:
@@ -681,7 +609,7 @@ def prepare(root: Path, assignment: str) -> Path:
         building = Path(tempfile.mkdtemp(prefix="gclab-course-"))
         target = building
     course = _scratch_course(root, [assignment], building / "course" if building != target else building)
-    done = _nbgrader_job(course, assignment, generate=True, timeout=300)
+    done = _generate_assignment(course, assignment, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"nbgrader generate_assignment {assignment} failed:\n{done.stdout}")
     if building != target:
@@ -693,10 +621,7 @@ def prepare(root: Path, assignment: str) -> Path:
     return target
 
 
-def _grade_submission(root, course, assignment, student, path, stem, result, timeout,
-                      memory_limit, cell_timeout, notebook=True):
-    shutil.copytree(prepare(root, assignment), course)
-    source_nb = nbformat.read(root / "solutions" / assignment / f"{stem}.ipynb", 4)
+def _grade_submission(root, workdir, source_nb, path, result, timeout, memory_limit, cell_timeout):
     try:
         submitted = nbformat.read(path, 4)
     except Exception as exc:
@@ -711,22 +636,15 @@ def _grade_submission(root, course, assignment, student, path, stem, result, tim
         result.reason = "the submission modifies the grader's tools: " + "; ".join(list(dict.fromkeys(patched))[:3])
         result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)
         return
-    _judge(root, course, source_nb, submitted, result, cell_timeout or _cell_timeout(root), memory_limit, timeout)
-    if notebook:
-        folder = course / "submitted" / student / assignment
-        folder.mkdir(parents=True)
-        shutil.copy(path, folder / f"{stem}.ipynb")
-        _run_notebook(course, assignment, student, stem, result, timeout, memory_limit, cell_timeout)
+    _judge(root, workdir, source_nb, submitted, result, cell_timeout, memory_limit, timeout)
 
 
 def _cell_timeout(root: Path) -> int:
     return int(_course_config(root).Execute.get("timeout", 180))
 
 
-def _judge(root, course, source_nb, submitted, result, cell_timeout, memory_limit, timeout) -> None:
+def _judge(root, workdir, source_nb, submitted, result, cell_timeout, memory_limit, timeout) -> None:
     """Score every test cell from the verdict process's results."""
-    workdir = course / "verdict"
-    workdir.mkdir(parents=True, exist_ok=True)
     job = verdict_job(source_nb, submitted, workdir, hidden=[root])
     verdicts = run_verdict(job, cell_timeout=cell_timeout, memory_limit=memory_limit, timeout=timeout)
     result.tests = [verdicts.get(t.id, TestResult(t.id, 0.0, t.max_score, "error",
@@ -742,29 +660,6 @@ def _judge(root, course, source_nb, submitted, result, cell_timeout, memory_limi
                          + " (deleted, or its cell metadata removed): a fresh copy of the lesson keeps them")
     elif result.tests and len({t.message for t in result.tests}) == 1 and result.tests[0].message.startswith("not graded: "):
         result.reason = result.tests[0].message.removeprefix("not graded: ")
-
-
-def _run_notebook(course, assignment, student, stem, result, timeout, memory_limit, cell_timeout):
-    """Run the submission as nbgrader does (in a kernel, hidden tests removed), for the
-    notebook handed back; its outputs do not change the score."""
-    try:
-        done = _nbgrader_job(course, assignment, student=student, cell_timeout=cell_timeout,
-                             timeout=timeout, memory_limit=memory_limit)
-        log = done.stdout
-    except subprocess.TimeoutExpired:
-        result.notes.append(f"running the notebook took longer than {timeout} s and was stopped")
-        return
-    graded = course / "autograded" / student / assignment / f"{stem}.ipynb"
-    if not graded.exists():
-        died = "kernel died" in log.lower() or "DeadKernelError" in log
-        result.notes.append("the kernel died while running the notebook (it crashed, was killed, or ran "
-                            "out of memory)" if died else "nbgrader could not run the notebook: "
-                            + _last_error_line(log))
-
-
-def _last_error_line(log: str) -> str:
-    lines = [line for line in log.splitlines() if "ERROR" in line or "Error" in line]
-    return (lines[-1] if lines else log.strip().splitlines()[-1] if log.strip() else "no output").strip()[:300]
 
 
 def format_results(results) -> str:

@@ -9,13 +9,16 @@ token.  The process reads the job, loads the grader's instruments, installs
 `gclab.guard` (which takes their manifest and refuses the learner's code what reaches past
 them), and only then runs the learner's answer cells, in an IPython shell (magics such as
 `%%writefile` work).  Each test cell runs next as code the grader compiled itself, in a
-namespace of its own, and its outcome goes back on the channel file descriptor as one
+namespace of its own (what its visible self-checks print is kept for the learner's
+feedback; what its hidden parts print is dropped), and its outcome goes back on the channel file descriptor as one
 JSON line carrying the token, which the learner's code never sees.  Output of the
 learner's code goes nowhere: nothing of a hidden test is printed, and gigabytes of output
 cost time, not memory.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -89,10 +92,20 @@ def run(job: dict, channel: int) -> None:
 
 
 def _run_test(keeper, test: dict, namespace: dict) -> dict:
-    code = keeper.trust(compile(test["source"], f"<test {test['id']}>", "exec"))
+    """Run a test cell: its visible self-checks with their printed output kept for the
+    learner's feedback, its hidden parts with their output dropped."""
+    parts = [(hidden, keeper.trust(compile(source, f"<test {test['id']}>", "exec")))
+             for hidden, source in _parts(test["source"])]
     before = set(keeper.problems())
+    printed = _Printed()
     try:
-        exec(code, dict(namespace))
+        scope = dict(namespace)
+        for hidden, code in parts:
+            if hidden:
+                exec(code, scope)
+            else:
+                with contextlib.redirect_stdout(printed):
+                    exec(code, scope)
         outcome = {"status": "passed", "message": ""}
     except AssertionError as error:
         outcome = {"status": "failed", "message": str(error).strip() or "a hidden check failed"}
@@ -104,7 +117,43 @@ def _run_test(keeper, test: dict, namespace: dict) -> dict:
     if problems:
         new = [p for p in problems if p not in before] or problems
         outcome = {"status": "tampered", "message": "; ".join(new[:3])}
-    return outcome
+    return {**outcome, "output": printed.text()}
+
+
+def _parts(source: str) -> list[tuple[bool, str]]:
+    """A test cell as (hidden?, source) parts in order, cut at its hidden-test markers; the
+    whole cell as one hidden part when a part would not compile on its own (markers inside
+    a block), so that none of its output is kept."""
+    parts, lines, hidden = [], [], False
+    for line in source.splitlines():
+        marker = "### BEGIN HIDDEN TESTS" in line or "### END HIDDEN TESTS" in line
+        if marker:
+            parts.append((hidden, "\n".join(lines)))
+            lines, hidden = [], "### BEGIN HIDDEN TESTS" in line
+        else:
+            lines.append(line)
+    parts.append((hidden, "\n".join(lines)))
+    parts = [(h, s) for h, s in parts if s.strip()]
+    try:
+        for _, part in parts:
+            compile(part, "<part>", "exec")
+    except SyntaxError:
+        return [(True, source)]
+    return parts
+
+
+class _Printed(io.StringIO):
+    """What the visible self-checks print, up to LIMIT characters."""
+
+    LIMIT = 8000
+
+    def write(self, text):
+        room = self.LIMIT - self.tell()
+        return super().write(text[:max(room, 0)]) if room > 0 else len(text)
+
+    def text(self) -> str:
+        text = self.getvalue()
+        return text + ("\n[... output cut]" if len(text) >= self.LIMIT else "")
 
 
 def main() -> int:

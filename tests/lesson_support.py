@@ -1,10 +1,11 @@
 """What the lessons' end-to-end tests share: student variants of a released notebook,
 one grading run for all of them, and reading the notebooks as the grader ran them."""
+import html
 from pathlib import Path
 
 import nbformat
 
-from gclab import grading
+from gclab import bench, classroom, grading
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,12 +32,60 @@ def student_variant(release: Path, answers) -> nbformat.NotebookNode:
     return nb
 
 
-def grade_all(paths: dict, folder: Path) -> dict:
-    """Grade every notebook in one run (two at a time); each result's `executed` is the notebook
-    as the grader ran it, outputs and hidden tests included."""
+class Graded(dict):
+    """name -> NotebookResult, and the folder where what the students get back was written."""
+
+    def __init__(self, results, folder: Path):
+        super().__init__(results)
+        self.folder = folder
+
+
+def grade_all(paths: dict, folder: Path) -> Graded:
+    """Grade every notebook as a class is graded (two at a time; a timed lesson alone),
+    each name a student: gradebook, feedback and report written under folder/graded."""
     names = list(paths)
-    results = grading.grade([paths[n] for n in names], root=ROOT, jobs=2, keep_executed=folder / "graded")
-    return dict(zip(names, results))
+    submissions = [classroom.Submission(name, grading.assignment_of(paths[name], ROOT)[0], paths[name])
+                   for name in names]
+    settings = classroom.settings_for(ROOT, out=folder / "graded", db_url=f"sqlite:///{folder / 'gradebook.db'}")
+    return Graded(zip(names, classroom.grade_class(submissions, settings, jobs=2)), folder / "graded")
+
+
+def hidden_lines(source: Path, release: Path) -> list[str]:
+    """The lines of a lesson's hidden tests that appear nowhere in its release."""
+    source_nb, released = nbformat.read(source, 4), nbformat.read(release, 4)
+    released_text = "\n".join(c.source for c in released.cells)
+    every_line = {line.strip() for c in source_nb.cells if c.cell_type == "code" for line in c.source.splitlines()}
+    visible = {line.strip() for c in source_nb.cells if c.cell_type == "code"
+               for line in grading.without_hidden_tests(c.source).splitlines()}
+    return sorted(line for line in every_line - visible
+                  if len(line) > 8 and line not in released_text and "HIDDEN TESTS" not in line)
+
+
+def handed_back_text(path: Path) -> str:
+    """A handed-back file's text as its reader sees it (a notebook's sources and outputs,
+    a page without its HTML escapes)."""
+    if path.suffix == ".ipynb":
+        nb = nbformat.read(path, 4)
+        return "\n".join(c.source + "".join(o.get("text", "") + str(o.get("traceback", "")) + str(o.get("data", ""))
+                                            for o in c.get("outputs", [])) for c in nb.cells)
+    return html.unescape(path.read_text(errors="replace"))
+
+
+def leaked_lines(folder: Path, source: Path, release: Path) -> list[tuple[str, str]]:
+    """(file, line) for each line of the lesson's hidden tests found in a file under `folder`."""
+    lines = hidden_lines(source, release)
+    assert lines, "the lesson has no hidden test line to look for"
+    return [(str(path.relative_to(folder)), line) for path in sorted(folder.rglob("*"))
+            if path.is_file() and path.suffix in (".ipynb", ".html", ".md", ".csv")
+            for line in lines if line in handed_back_text(path)]
+
+
+def run_notebook(path: Path, folder: Path) -> Path:
+    """The notebook as a learner runs it top to bottom (hidden tests included when it is the
+    solution), outputs kept: the path of the executed copy."""
+    out = folder / f"executed-{path.name}"
+    bench.execute_seconds(path, out)
+    return out
 
 
 def write_variants(release: Path, variants: dict, folder: Path) -> dict:

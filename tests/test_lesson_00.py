@@ -4,7 +4,8 @@ import re
 
 import pytest
 from lesson_support import (
-    ROOT, assert_full_marks, assert_no_marks_until_answered, cell_result, grade_all, plots_drawn,
+    leaked_lines,
+    ROOT, assert_full_marks, assert_no_marks_until_answered, cell_result, grade_all, run_notebook, plots_drawn,
     printed_text, problems, write_variants,
 )
 
@@ -301,15 +302,24 @@ EARNED = {
 
 
 @pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    return run_notebook(SOLUTION, tmp_path_factory.mktemp("executed"))
+
+
+@pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     return grade_all({"solution": SOLUTION, "untouched": RELEASE,
                       **write_variants(RELEASE, {**SUBMISSIONS, **ALTERNATIVES}, folder)}, folder)
 
 
-def test_solution_notebook_runs_clean_on_cpu(graded):
+def test_no_handed_back_file_holds_a_line_of_a_hidden_test(graded):
+    """Graded notebooks, feedback pages and the class report, of every submission."""
+    assert not leaked_lines(graded.folder, SOLUTION, RELEASE)
+
+
+def test_solution_notebook_runs_clean_on_cpu(executed):
     """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
-    executed = graded["solution"].executed
     assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
     text = printed_text(executed)
     assert "differs" not in text, "a dtype's predicted size should match the meter"

@@ -3,7 +3,8 @@ import re
 
 import pytest
 from lesson_support import (
-    ROOT, assert_full_marks, assert_no_marks_until_answered, grade_all, printed_text, problems,
+    leaked_lines,
+    ROOT, assert_full_marks, assert_no_marks_until_answered, grade_all, run_notebook, printed_text, problems,
     shows_error, write_variants,
 )
 
@@ -124,6 +125,11 @@ ONE_RIGHT = {
 
 
 @pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    return run_notebook(SOLUTION, tmp_path_factory.mktemp("executed"))
+
+
+@pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     variants = {**WRONG, "one_exercise_right": ONE_RIGHT, "leaks_unless_collector_off_or_under_nbgrader": WATCHED,
@@ -143,10 +149,14 @@ def _message(result, test_id):
     return next(t.message for t in result.tests if t.id == test_id)
 
 
-def test_solution_notebook_runs_clean_on_cpu(graded):
+def test_no_handed_back_file_holds_a_line_of_a_hidden_test(graded):
+    """Graded notebooks, feedback pages and the class report, of every submission."""
+    assert not leaked_lines(graded.folder, SOLUTION, RELEASE)
+
+
+def test_solution_notebook_runs_clean_on_cpu(executed):
     """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr,
     except the failed cell that section 3.3 runs on purpose."""
-    executed = graded["solution"].executed
     unexpected = problems(executed, expected_error="step failed holding")
     assert not unexpected, f"errors or stderr output in the solution notebook: {unexpected}"
     assert shows_error(executed, "step failed holding"), "section 3.3 should show the failed cell's error"

@@ -4,8 +4,9 @@ import re
 import pytest
 
 from lesson_support import (
+    leaked_lines,
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
-    grade_all, plots_drawn, printed_text, problems, write_variants,
+    grade_all, run_notebook, plots_drawn, printed_text, problems, write_variants,
 )
 
 from gclab import grading
@@ -99,15 +100,24 @@ ALTERNATIVES = {
 
 
 @pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    return run_notebook(SOLUTION, tmp_path_factory.mktemp("executed"))
+
+
+@pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
     return grade_all(paths, folder)
 
 
-def test_solution_notebook_runs_clean_on_cpu(graded):
+def test_no_handed_back_file_holds_a_line_of_a_hidden_test(graded):
+    """Graded notebooks, feedback pages and the class report, of every submission."""
+    assert not leaked_lines(graded.folder, SOLUTION, RELEASE)
+
+
+def test_solution_notebook_runs_clean_on_cpu(executed):
     """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
-    executed = graded["solution"].executed
     assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
     text = printed_text(executed)
     assert re.search(r"val_losses\.append\(val_loss\) +12\.75 MiB more than the clean loop", text)

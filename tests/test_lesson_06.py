@@ -11,8 +11,9 @@ import sys
 
 import pytest
 from lesson_support import (
-    ROOT, assert_full_marks, assert_no_marks_until_answered, plots_drawn, printed_text, problems,
-    write_variants,
+    leaked_lines,
+    ROOT, assert_full_marks, grade_all, assert_no_marks_until_answered, plots_drawn, printed_text, problems,
+    run_notebook, write_variants,
 )
 
 from gclab import grading
@@ -80,28 +81,28 @@ class CpuHogs:
 
 
 @pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    return run_notebook(SOLUTION, tmp_path_factory.mktemp("executed"))
+
+
+@pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **CORRECT, **CONTENDED}, folder)}
-    results = {}
-    # one at a time: two gradings at once would be a busy machine for each other
-    batches = [(["solution"], 1, None), ([n for n in paths if n not in CONTENDED and n != "solution"], 1, None)]
-    batches += [([name], 1, CpuHogs) for name in CONTENDED]
-    for k, (names, jobs, beside) in enumerate(batches):
-        # the notebook as run is kept (and so run twice: as nbgrader runs it, and in the verdict
-        # process) only for the solution, whose printed figures and plots are checked
-        keep = folder / f"graded-{k}" if names == ["solution"] else None
-        if beside is None:
-            graded = grading.grade([paths[n] for n in names], root=ROOT, jobs=jobs, keep_executed=keep)
-        else:
-            with beside():
-                graded = grading.grade([paths[n] for n in names], root=ROOT, jobs=jobs)
-        results.update(zip(names, graded))
+    quiet = {n: paths[n] for n in paths if n not in CONTENDED}
+    results = grade_all(quiet, folder)            # a timed lesson: one at a time, whatever the jobs
+    for name in CONTENDED:
+        with CpuHogs():
+            results[name], = grading.grade([paths[name]], root=ROOT)
     return results
 
 
-def test_solution_notebook_runs_clean_on_cpu(graded):
-    executed = graded["solution"].executed
+def test_no_handed_back_file_holds_a_line_of_a_hidden_test(graded):
+    """Graded notebooks, feedback pages and the class report, of every submission."""
+    assert not leaked_lines(graded.folder, SOLUTION, RELEASE)
+
+
+def test_solution_notebook_runs_clean_on_cpu(executed):
     assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
     text = printed_text(executed)
     assert "attribution on: P99 median" in text and "collector CPU time a request waited behind" in text

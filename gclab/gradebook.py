@@ -1,0 +1,112 @@
+"""Scores in nbgrader's own gradebook, so that `nbgrader export` and the formgrader see them.
+
+The gradebook is the one the course's nbgrader config names (`CourseDirectory.db_url`:
+SQLite in autograder/gradebook.db by default, PostgreSQL or any SQLAlchemy URL when
+configured).  A lesson's assignment, notebooks and cells are mirrored from the gradebook
+nbgrader wrote when it generated the release (`grading.prepare`), where no hidden test
+was ever recorded; each graded submission then sets the automatic score of every test
+cell and a comment on every answer cell.  Recording the same submission again
+overwrites it: regrading is idempotent.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import grading
+
+_CELL_FIELDS = {
+    "grade_cells": ("update_or_create_grade_cell", ("max_score", "cell_type")),
+    "solution_cells": ("update_or_create_solution_cell", ()),
+    "task_cells": ("update_or_create_task_cell", ("max_score", "cell_type")),
+}
+
+
+def db_url(root: Path) -> str:
+    """The gradebook the course's nbgrader config names."""
+    return grading._course_config(root).CourseDirectory.db_url
+
+
+@contextmanager
+def opened(url: str):
+    from nbgrader.api import Gradebook
+    _alembic_on_path()
+    with Gradebook(url) as book:
+        yield book
+
+
+def _alembic_on_path() -> None:
+    """nbgrader creates a new gradebook by running `alembic` from PATH: this Python's bin
+    folder must be on it (it is not when .venv/bin/python runs without activating .venv)."""
+    import os
+    import sys
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def mirror_assignment(book, root: Path, assignment: str) -> None:
+    """Create or update `assignment` in `book` as nbgrader recorded it at generation."""
+    from nbgrader.api import Gradebook
+    _alembic_on_path()
+    generated = grading.prepare(root, assignment) / "autograder" / "gradebook.db"
+    with Gradebook(f"sqlite:///{generated}") as source:
+        original = source.find_assignment(assignment)
+        book.update_or_create_assignment(assignment, duedate=original.duedate)
+        for notebook in original.notebooks:
+            book.update_or_create_notebook(notebook.name, assignment)
+            for kind, (method, fields) in _CELL_FIELDS.items():
+                for cell in getattr(notebook, kind):
+                    getattr(book, method)(cell.name, notebook.name, assignment,
+                                          **{f: getattr(cell, f) for f in fields})
+            for cell in notebook.source_cells:
+                book.update_or_create_source_cell(cell.name, notebook.name, assignment, cell_type=cell.cell_type,
+                                                  locked=cell.locked, source=cell.source, checksum=cell.checksum)
+
+
+def record(url: str, root: Path, result: grading.NotebookResult, attempts: int = 5) -> None:
+    """Record one graded submission (its student and assignment are created when new).
+    Several graders may write to one gradebook at once (PostgreSQL): a write that lost a
+    race to create the same row is tried again."""
+    from nbgrader.api import InvalidEntry
+    for attempt in range(attempts):
+        try:
+            with opened(url) as book:
+                _record(book, root, result)
+            return
+        except InvalidEntry:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+def _record(book, root: Path, result: grading.NotebookResult) -> None:
+    from nbgrader.api import MissingEntry
+    try:
+        book.find_notebook(result.lesson_notebook, result.assignment)
+    except MissingEntry:
+        mirror_assignment(book, root, result.assignment)
+    book.update_or_create_student(result.student)
+    book.update_or_create_submission(result.assignment, result.student)
+    for test in result.tests:
+        grade = book.find_grade(test.id, result.lesson_notebook, result.assignment, result.student)
+        grade.auto_score = test.score
+        grade.needs_manual_grade = False
+    notebook = book.find_notebook(result.lesson_notebook, result.assignment)
+    summary = _comment(result)
+    for cell in notebook.solution_cells:
+        book.find_comment(cell.name, result.lesson_notebook, result.assignment, result.student).auto_comment = summary
+    book.db.commit()
+
+
+def _comment(result: grading.NotebookResult) -> str:
+    lines = [f"{result.score:g} / {result.max_score:g}"] + ([result.reason] if result.reason else [])
+    lines += [f"{t.id}: {t.message}" for t in result.tests if t.status != "passed" and t.message]
+    return "\n".join(lines)
+
+
+def scores(url: str) -> dict[tuple[str, str], float]:
+    """{(student, assignment): score} as the gradebook holds them."""
+    with opened(url) as book:
+        return {(s.student.id, s.assignment.name): s.score for a in book.assignments for s in a.submissions}

@@ -1,0 +1,145 @@
+"""Grading a class as an instructor does: nbgrader's layout in, gradebook, feedback and a
+report out, and nothing of a hidden test handed back."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gclab import classroom, feedback, gradebook, grading
+from lesson_support import handed_back_text, leaked_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+NBGRADER = Path(sys.executable).parent / "nbgrader"
+HIDDEN_LINE = "assert double(5) == 10, 'double(5) is not 10'"
+
+
+def _cell(source, grade_id=None, points=None, solution=False):
+    cell = nbformat.v4.new_code_cell(source)
+    if grade_id:
+        cell.metadata["nbgrader"] = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
+                                     "schema_version": 3, "solution": solution, **({"points": points} if points else {})}
+    return cell
+
+
+def _lesson(answer):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        _cell("import gc", "setup"),
+        _cell(answer, "answer", solution=True),
+        _cell("print('self-check: double(2) =', double(2))\nassert double(2) == 4, 'double(2) is not 4'\n"
+              f"### BEGIN HIDDEN TESTS\n{HIDDEN_LINE}\n### END HIDDEN TESTS", "test_double", points=2),
+    ]
+    return nb
+
+
+ANSWERS = {"ada": "def double(x):\n    return 2 * x", "bob": "def double(x):\n    return x + 2 if x == 2 else x",
+           "cy": "raise NotImplementedError()"}
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    (root / "autograder").mkdir()
+    shutil.copy(ROOT / "autograder" / "nbgrader_config.py", root / "autograder")
+    (root / "solutions" / "toy").mkdir(parents=True)
+    nbformat.write(_lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION"),
+                   root / "solutions" / "toy" / "toy.ipynb")
+    for student, answer in ANSWERS.items():
+        (root / "submitted" / student / "toy").mkdir(parents=True)
+        nbformat.write(_lesson(answer), root / "submitted" / student / "toy" / "toy.ipynb")
+    return root
+
+
+@pytest.fixture(scope="module")
+def graded(course):
+    from gclab.__main__ import main
+    assert main(["--course", str(course), "grade", "--jobs", "2"]) == 0
+    first = gradebook.scores(gradebook.db_url(course))
+    assert main(["--course", str(course), "grade"]) == 0
+    return {"first": first, "second": gradebook.scores(gradebook.db_url(course))}
+
+
+def test_every_submission_is_graded_into_the_gradebook(graded):
+    assert graded["second"] == {("ada", "toy"): 2.0, ("bob", "toy"): 0.0, ("cy", "toy"): 0.0}
+
+
+def test_regrading_gives_the_same_gradebook(graded):
+    assert graded["first"] == graded["second"]
+
+
+def test_nbgrader_export_sees_the_scores(course, graded):
+    done = subprocess.run([str(NBGRADER), "export"], cwd=course / "autograder", capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = (course / "autograder" / "grades.csv").read_text().splitlines()
+    assert any(row.startswith("toy,") and ",ada," in row and ",2.0," in row for row in rows), rows
+
+
+def test_feedback_gives_the_score_the_message_and_what_the_self_check_printed(course, graded):
+    text = (course / "feedback" / "bob" / "toy" / "toy.md").read_text()
+    assert "**Score: 0 / 2**" in text
+    assert "test_double: 0 / 2 (failed)" in text and "double(5) is not 10" in text
+    assert "self-check: double(2) = 4" in text
+
+
+def test_the_graded_notebook_shows_each_test_result(course, graded):
+    nb = nbformat.read(course / "autograded" / "bob" / "toy" / "toy.ipynb", 4)
+    test = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "test_double")
+    assert "[failed] test_double: 0 / 2" in test.outputs[0].text
+
+
+def test_no_handed_back_file_holds_a_line_of_a_hidden_test(course, graded):
+    release = classroom.released(course, "toy", "toy")
+    assert "print('self-check: double(2) =', double(2))" in release.read_text()
+    for folder in ("autograded", "feedback", "reports"):
+        assert not leaked_lines(course / folder, course / "solutions" / "toy" / "toy.ipynb", release)
+
+
+def test_the_leak_search_finds_a_planted_line(course, graded, tmp_path):
+    shutil.copytree(course / "feedback", tmp_path / "feedback")
+    (tmp_path / "feedback" / "ada" / "toy" / "toy.md").write_text(f"oops: {HIDDEN_LINE}\n")
+    release = classroom.released(course, "toy", "toy")
+    assert leaked_lines(tmp_path / "feedback", course / "solutions" / "toy" / "toy.ipynb", release) == [
+        ("ada/toy/toy.md", HIDDEN_LINE)]
+
+
+def test_nbgraders_own_feedback_keeps_no_hidden_line(course, graded, tmp_path):
+    """As nbgrader's own autograde leaves a notebook: hidden tests in the test cell and a
+    traceback quoting them.  generate_feedback, run from autograder/, hides both."""
+    nb = nbformat.read(course / "solutions" / "toy" / "toy.ipynb", 4)
+    test = nb.cells[2]
+    test.outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="double(5) is not 10",
+                                           traceback=[f"----> 4 {HIDDEN_LINE}", "AssertionError: double(5) is not 10"])]
+    nbformat.write(nb, course / "autograded" / "bob" / "toy" / "toy.ipynb")
+    done = subprocess.run([str(NBGRADER), "generate_feedback", "toy", "--force"], cwd=course / "autograder",
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = handed_back_text(course / "feedback" / "bob" / "toy" / "toy.html")
+    assert "double(5) is not 10" in page and HIDDEN_LINE not in page
+
+
+def test_nbgraders_autograde_is_refused_with_a_reason(course, graded):
+    done = subprocess.run([str(NBGRADER), "autograde", "toy", "--force"], cwd=course / "autograder",
+                          capture_output=True, text=True)
+    assert "graded with `make grade-class`" in done.stdout + done.stderr
+
+
+def test_the_class_report_is_written(course, graded):
+    assert (course / "reports" / "report.html").is_file()
+    assert "bob" in (course / "reports" / "causes.csv").read_text()
+
+
+def test_student_data_folders_are_ignored_by_git():
+    names = ["submitted/a/b/c.ipynb", "autograded/x", "feedback/x", "reports/x", "exchange/x", "autograder/gradebook.db"]
+    done = subprocess.run(["git", "check-ignore", *names], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout.split() == names
+
+
+def test_feedback_escapes_what_it_shows():
+    result = grading.NotebookResult("x.ipynb", 0, 1, [grading.TestResult("t", 0, 1, "failed", "<script>", "<b>")],
+                                    "toy", student="<i>", lesson_notebook="toy")
+    page = feedback.page(result, nbformat.v4.new_notebook())
+    assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
