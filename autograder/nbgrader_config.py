@@ -6,6 +6,7 @@ this folder (`cd autograder && nbgrader generate_assignment 03_node_leak --force
 use the `gclab release` / `gclab grade` commands, which load this file.
 """
 import os
+import sys
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
@@ -15,6 +16,9 @@ c.CourseDirectory.course_id = "gc-gpu-memory"
 c.CourseDirectory.root = ROOT
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
+# nbgrader creates a gradebook by running `alembic` from PATH: find it beside this Python,
+# so that `.venv/bin/nbgrader ...` works without activating .venv.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "autograder", "gradebook.db")
 # The course's own exchange folder (nbgrader's default, /usr/local/share/nbgrader/exchange,
 # needs root to create).  On a shared server, point this at a folder every user can write.

@@ -14,6 +14,7 @@ no other unit beside it.
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,25 @@ def grade_submission(submission: Submission, settings: Settings) -> grading.Note
     where = Path(submission.student) / result.assignment
     feedback.write(result, release_nb, submitted_nb, settings.out / "autograded" / where,
                    settings.out / "feedback" / where)
-    gradebook.record(settings.db_url, settings.root, result)
+    for folder in ("autograded", "feedback"):
+        _copy_submission_records(submission.path.parent, settings.out / folder / where)
+    gradebook.record(settings.db_url, settings.root, result, timestamp=_timestamp(submission.path.parent))
     return result
+
+
+# what nbgrader collect leaves beside a submission, and its release_feedback reads beside the feedback
+_SUBMISSION_RECORDS = ("timestamp.txt", "submission_secret.txt")
+
+
+def _copy_submission_records(submitted: Path, folder: Path) -> None:
+    for name in _SUBMISSION_RECORDS:
+        if (submitted / name).is_file():
+            shutil.copy(submitted / name, folder / name)
+
+
+def _timestamp(submitted: Path) -> str | None:
+    path = submitted / "timestamp.txt"
+    return path.read_text().strip() if path.is_file() else None
 
 
 def released(root: Path, assignment: str, notebook: str) -> Path:

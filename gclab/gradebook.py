@@ -11,6 +11,7 @@ overwrites it: regrading is idempotent.
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -65,15 +66,19 @@ def mirror_assignment(book, root: Path, assignment: str) -> None:
                                                   locked=cell.locked, source=cell.source, checksum=cell.checksum)
 
 
-def record(url: str, root: Path, result: grading.NotebookResult, attempts: int = 5) -> None:
-    """Record one graded submission (its student and assignment are created when new).
+def record(url: str, root: Path, result: grading.NotebookResult, timestamp: str | None = None,
+           attempts: int = 5) -> None:
+    """Record one graded submission (its student and assignment are created when new), with
+    the time it was submitted (nbgrader's timestamp.txt) when known.
     Several graders may write to one gradebook at once (PostgreSQL): a write that lost a
     race to create the same row is tried again."""
     from nbgrader.api import InvalidEntry
     for attempt in range(attempts):
         try:
-            with opened(url) as book:
-                _record(book, root, result)
+            with opened(url) as book, warnings.catch_warnings():
+                # nbgrader's add_submission trips SQLAlchemy's autoflush warning; it is harmless
+                warnings.simplefilter("ignore", category=_sa_warning())
+                _record(book, root, result, timestamp)
             return
         except InvalidEntry:
             if attempt == attempts - 1:
@@ -81,14 +86,20 @@ def record(url: str, root: Path, result: grading.NotebookResult, attempts: int =
             time.sleep(0.2 * (attempt + 1))
 
 
-def _record(book, root: Path, result: grading.NotebookResult) -> None:
+def _sa_warning():
+    from sqlalchemy.exc import SAWarning
+    return SAWarning
+
+
+def _record(book, root: Path, result: grading.NotebookResult, timestamp: str | None) -> None:
     from nbgrader.api import MissingEntry
     try:
         book.find_notebook(result.lesson_notebook, result.assignment)
     except MissingEntry:
         mirror_assignment(book, root, result.assignment)
     book.update_or_create_student(result.student)
-    book.update_or_create_submission(result.assignment, result.student)
+    book.update_or_create_submission(result.assignment, result.student,
+                                     **({"timestamp": timestamp} if timestamp else {}))
     for test in result.tests:
         grade = book.find_grade(test.id, result.lesson_notebook, result.assignment, result.student)
         grade.auto_score = test.score
