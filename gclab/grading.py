@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -161,10 +162,14 @@ def _root_name(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
+_AST_LOCK = threading.Lock()     # CPython 3.11's ast.parse is not safe in two threads at once
+
+
 def _parse(source):
     for text in (source, _without_magics(source)):
         try:
-            return ast.parse(text)
+            with _AST_LOCK:
+                return ast.parse(text)
         except SyntaxError:
             pass
     return None

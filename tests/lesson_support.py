@@ -62,12 +62,13 @@ def hidden_lines(source: Path, release: Path) -> list[str]:
 
 
 def handed_back_text(path: Path) -> str:
-    """A handed-back file's text as its reader sees it (a notebook's sources and outputs,
-    a page without its HTML escapes)."""
+    """A handed-back file's text as its reader sees it (a notebook's sources and outputs, but
+    not the learner's own answer cells, which may hold any line; a page without its HTML
+    escapes)."""
     if path.suffix == ".ipynb":
         nb = nbformat.read(path, 4)
         return "\n".join(c.source + "".join(o.get("text", "") + str(o.get("traceback", "")) + str(o.get("data", ""))
-                                            for o in c.get("outputs", [])) for c in nb.cells)
+                                            for o in c.get("outputs", [])) for c in nb.cells if not is_answer(c))
     return html.unescape(path.read_text(errors="replace"))
 
 
