@@ -37,8 +37,8 @@ def main(argv=None) -> int:
                         "feedback/, the class report to reports/")
     g.add_argument("--out", type=Path, help="where autograded/, feedback/ and reports/ go (default: the course)")
     g.add_argument("--db-url", help="the gradebook (default: CourseDirectory.db_url of the course's nbgrader config)")
-    g.add_argument("--scheduler", help="grade on a Dask cluster: its scheduler's address, or 'local' for a "
-                                       "local cluster of --jobs workers")
+    g.add_argument("--scheduler", help="grade on a Dask cluster: its scheduler's address, or 'local' for "
+                                       "one local worker with --jobs grading slots (see gclab.cluster)")
     g.add_argument("--json", action="store_true", help="print the results as JSON")
     g.add_argument("--timeout", type=int, default=900, help="seconds allowed per notebook (default 900)")
     g.add_argument("--cell-timeout", type=int, help="seconds allowed per cell (default: autograder/nbgrader_config.py)")

@@ -1,0 +1,139 @@
+"""A class graded on a local Dask cluster, its gradebook in a real PostgreSQL server:
+scores, feedback, idempotent regrading, and timed lessons alone on their worker."""
+import contextlib
+import io
+import itertools
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nbformat
+import pytest
+from distributed import Client, WorkerPlugin
+from postgres import running
+
+from gclab import classroom, cluster, gradebook, grading
+from gclab.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+RIGHT, WRONG = "def double(x):\n    return 2 * x", "def double(x):\n    return x + 2"
+ANSWERS = {"alice": {"toy": RIGHT, "clock": RIGHT},        # lesson "clock" is timed
+           "bob": {"toy": WRONG, "clock": WRONG},
+           "carol": {"toy": RIGHT, "clock": WRONG}}
+
+
+def _lesson(answer, timed=False):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    if timed:
+        nb.metadata["gclab"] = {"timed": True}
+    meta = {"schema_version": 3, "locked": True, "solution": False, "grade": False}
+    nb.cells = [nbformat.v4.new_code_cell(source, metadata={"nbgrader": {**meta, **extra}}) for source, extra in [
+        ("import gc", {"grade_id": "setup"}),
+        (answer, {"grade_id": "answer", "locked": False, "solution": True}),
+        ("assert double(2) == 4\n### BEGIN HIDDEN TESTS\nassert double(5) == 10\n### END HIDDEN TESTS",
+         {"grade_id": "test_double", "grade": True, "points": 2}),
+    ]]
+    return nb
+
+
+class Spans(WorkerPlugin):
+    """When each task held its worker's slots, as the worker saw it: (start, end) by key."""
+    name = "gclab-test-spans"
+
+    def setup(self, worker):
+        self.spans = {}
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish == "executing":
+            self.spans[key] = (time.time(), None)
+        elif start == "executing":
+            self.spans[key] = (self.spans[key][0], time.time())
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    with running() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory, postgres):
+    """The class graded on a cluster of two workers of two slots, then again by `gclab grade
+    --scheduler local --jobs 2`, into one PostgreSQL gradebook."""
+    tmp = tmp_path_factory.mktemp("class")
+    course, out, submitted = tmp / "course", tmp / "out", tmp / "submitted"
+    (course / "autograder").mkdir(parents=True)
+    shutil.copy(ROOT / "autograder" / "nbgrader_config.py", course / "autograder")
+    for lesson in ("toy", "clock"):
+        (course / "solutions" / lesson).mkdir(parents=True)
+        nbformat.write(_lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION", timed=lesson == "clock"),
+                       course / "solutions" / lesson / f"{lesson}.ipynb")
+    for student, answers in ANSWERS.items():
+        for lesson, answer in answers.items():
+            (submitted / student / lesson).mkdir(parents=True)
+            nbformat.write(_lesson(answer), submitted / student / lesson / f"{lesson}.ipynb")
+    with ThreadPoolExecutor(2) as pool:     # nbgrader generates each lesson in seconds: both at once
+        list(pool.map(lambda lesson: grading.prepare(course, lesson), ("toy", "clock")))
+    db_url = postgres.create_database("gradebook")
+    settings = classroom.settings_for(course, out=out, db_url=db_url, memory_limit=None)
+    submissions = classroom.find_submissions(submitted, course)
+
+    with cluster.local_cluster(threads=2, workers=2) as local, Client(local) as client:
+        client.register_plugin(Spans())
+        results = cluster.grade_on_cluster(submissions, settings, local.scheduler_address)
+        spans = client.run(lambda dask_worker: dask_worker.plugins[Spans.name].spans)
+    first = {"results": results, "scores": gradebook.scores(db_url), "counts": _counts(db_url)}
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--course", str(course), "grade", "--submissions", str(submitted), "--out", str(out),
+                     "--db-url", db_url, "--scheduler", "local", "--jobs", "2", "--memory-limit", "none",
+                     "--json"]) == 0
+    again = {"results": json.loads(printed.getvalue()), "scores": gradebook.scores(db_url), "counts": _counts(db_url)}
+    return {"first": first, "again": again, "spans": spans, "submissions": submissions, "out": out}
+
+
+def _counts(db_url):
+    with gradebook.opened(db_url) as book:
+        return {a.name: (len(a.submissions), sum(len(s.notebooks) for s in a.submissions)) for a in book.assignments}
+
+
+def test_gradebook_holds_what_the_results_say(graded):
+    results, scores = graded["first"]["results"], graded["first"]["scores"]
+    assert [(r.student, r.assignment) for r in results] == [(s.student, s.assignment) for s in graded["submissions"]]
+    assert scores == {(r.student, r.assignment): r.score for r in results}
+    for r in results:
+        right = ANSWERS[r.student][r.assignment] == RIGHT
+        assert (r.score == r.max_score == 2) if right else r.score < r.max_score, (r.student, r.assignment, r.tests)
+
+
+def test_regrading_is_idempotent(graded):
+    first, again = graded["first"], graded["again"]
+    assert again["scores"] == first["scores"]
+    assert [(r["student"], r["assignment"], r["score"]) for r in again["results"]] == [
+        (r.student, r.assignment, r.score) for r in first["results"]]
+    assert again["counts"] == first["counts"] == {"toy": (3, 3), "clock": (3, 3)}
+
+
+def test_feedback_and_report_are_written(graded):
+    out = graded["out"]
+    for student, answers in ANSWERS.items():
+        for lesson in answers:
+            assert any((out / "feedback" / student / lesson).iterdir()), (student, lesson)
+    assert (out / "reports" / "report.html").is_file()
+
+
+def test_a_timed_unit_shares_its_worker_with_no_other_unit(graded):
+    spans = {key: (worker, start, end) for worker, tasks in graded["spans"].items()
+             for key, (start, end) in tasks.items()}
+    timed = [key for key in spans if "-clock-" in key]
+    assert len(spans) == 6 and len(timed) == 3, spans
+    for key in timed:
+        worker, start, end = spans[key]
+        beside = [other for other, (w, s, e) in spans.items() if other != key and w == worker and s < end and start < e]
+        assert not beside, f"{key} ran beside {beside} on {worker}"
+    intervals = sorted((s, e) for _, s, e in spans.values())
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(intervals)), "the cluster never ran two units at once"
