@@ -133,6 +133,7 @@ def _strip_hidden_tests(path: Path) -> None:
 
 def build_release(root: Path, out: Path, assignments=None) -> Path:
     """Copy the student release of `assignments` (default: every lesson) into `out`."""
+    root = Path(root).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for name in assignments or lessons(root):
         shutil.rmtree(out / name, ignore_errors=True)
@@ -357,14 +358,115 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
             "missing_answers": missing, "hidden": [str(h) for h in hidden]}
 
 
-def _limits(memory_limit):
-    """Resource limits for a grading process (run in the child before it executes)."""
-    def apply():
-        import resource
-        if memory_limit:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 1024**3, 2 * 1024**3))
-    return apply
+def apply_limits(memory_limit) -> None:
+    """Resource limits of a verdict process (set in it before the learner's code runs)."""
+    import resource
+    if memory_limit:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 1024**3, 2 * 1024**3))
+
+
+class _Started:
+    """A verdict process started as a subprocess (a fresh Python)."""
+
+    def __init__(self, job_bytes: bytes, workdir: str, channel: int, memory_limit):
+        self.proc = subprocess.Popen([sys.executable, "-m", "gclab.verdict", str(channel)], cwd=workdir,
+                                     env=dict(os.environ, **_job_environment()), stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(channel,),
+                                     start_new_session=True, preexec_fn=lambda: apply_limits(memory_limit))
+        self.pid = self.proc.pid
+        _write_job(self.proc.stdin, job_bytes)
+
+    def end(self) -> None:
+        _kill_session(self.pid)
+        self.proc.wait()
+
+
+def _write_job(pipe, job_bytes: bytes) -> None:
+    """Hand the job over in a thread: a verdict that dies before reading it all must not
+    block the grader."""
+    import threading
+
+    def write():
+        try:
+            pipe.write(job_bytes)
+        except (BrokenPipeError, OSError):
+            pass
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+    threading.Thread(target=write, daemon=True).start()
+
+
+class _Forked:
+    """A verdict process forked from the zygote server (gclab.zygote), which has imported
+    the instruments once: about 2 s saved per submission."""
+
+    def __init__(self, zygote: "_Zygote", job_bytes: bytes, channel: int, memory_limit):
+        job_read, job_write = os.pipe()
+        try:
+            self.pid = zygote.fork({"memory_limit": memory_limit}, [job_read, channel])
+        finally:
+            os.close(job_read)
+        _write_job(os.fdopen(job_write, "wb"), job_bytes)
+
+    def end(self) -> None:
+        _kill_session(self.pid)       # the zygote reaps it
+
+
+class _Zygote:
+    """The grader's zygote server, started on first use; None where it cannot run."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.lock = threading.Lock()
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-m", "gclab.zygote", str(theirs.fileno())],
+                                     env=dict(os.environ, **_job_environment()), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(theirs.fileno(),), start_new_session=True)
+        theirs.close()
+
+    def fork(self, request: dict, fds: list) -> int:
+        import socket
+        with self.lock:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            reply = self.sock.recv(4096)
+        if not reply:
+            raise OSError("the zygote server ended")
+        return int(json.loads(reply)["pid"])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+_ZYGOTE: list = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote():
+    """The zygote server of this grader, or None when GCLAB_GRADE_FORK=0 or there is none."""
+    import socket
+    if os.environ.get("GCLAB_GRADE_FORK") == "0" or not hasattr(socket, "send_fds"):
+        return None
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE or not _ZYGOTE[0].alive():
+            _ZYGOTE[:] = [_Zygote()]
+        return _ZYGOTE[0]
+
+
+def _start_verdict(job: dict, channel: int, memory_limit):
+    job_bytes = json.dumps(job).encode()
+    zygote = _zygote()
+    if zygote is not None:
+        try:
+            return _Forked(zygote, job_bytes, channel, memory_limit)
+        except OSError:
+            pass                     # the server died: a fresh Python does the same work
+    return _Started(job_bytes, job["workdir"], channel, memory_limit)
 
 
 class _Channel:
@@ -423,11 +525,10 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
     import time
     points = {t["id"]: t["points"] for t in job["tests"]}
     read_end, write_end = os.pipe()
-    env = dict(os.environ, **_job_environment())
-    proc = subprocess.Popen([sys.executable, "-m", "gclab.verdict", str(write_end)], cwd=job["workdir"], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            pass_fds=(write_end,), start_new_session=True, preexec_fn=_limits(memory_limit))
-    os.close(write_end)
+    try:
+        proc = _start_verdict(job, write_end, memory_limit)
+    finally:
+        os.close(write_end)
     channel = _Channel(read_end, job["token"])
     results = {}
 
@@ -435,8 +536,6 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
         results[test_id] = TestResult(test_id, points[test_id] if status == "passed" else 0.0,
                                       points[test_id], status, message, output)
     try:
-        proc.stdin.write(json.dumps(job).encode())
-        proc.stdin.close()
         running, deadline, interrupted = None, time.monotonic() + 120 + cell_timeout, False
         while len(results) < len(job["tests"]):
             message = channel.next(min(deadline, end))
@@ -464,8 +563,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
                 result(message["test"], status, text, str(message.get("output", "")))
                 running = None
     finally:
-        _kill_session(proc.pid)
-        proc.wait()
+        proc.end()
         os.close(read_end)
     if channel.forged:
         for test_id in results:

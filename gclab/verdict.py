@@ -50,6 +50,11 @@ def _quiet_and_local(workdir: str) -> None:
     sys.dont_write_bytecode = True
 
 
+def preload() -> None:
+    """Import what every verdict needs (see gclab.zygote, which forks verdicts after this)."""
+    _load_instruments()
+
+
 def _load_instruments():
     import warnings
     warnings.simplefilter("ignore")

@@ -12,3 +12,10 @@ def restore_gc_state():
         gc.enable()
     else:
         gc.disable()
+
+
+@pytest.fixture(scope="module")
+def executed(request, tmp_path_factory):
+    """The lesson's solution (the test module's SOLUTION) run top to bottom in a kernel."""
+    from lesson_support import run_notebook
+    return run_notebook(request.module.SOLUTION, tmp_path_factory.mktemp("executed"))

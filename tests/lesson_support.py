@@ -156,3 +156,9 @@ def write_locked_cells_edited(release: Path, answers, folder: Path) -> Path:
     path = folder / f"edits_locked_cells-{release.name}"
     nbformat.write(edited, path)
     return path
+
+
+def test_no_handed_back_file_holds_a_line_of_a_hidden_test(graded, request):
+    """Every lesson's test module imports this test: the graded notebooks, feedback pages and
+    class report of all its submissions hold no line of the lesson's hidden tests."""
+    assert not leaked_lines(graded.folder, request.module.SOLUTION, request.module.RELEASE)

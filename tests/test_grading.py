@@ -215,8 +215,11 @@ def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
 
 
 def _verdict_processes() -> list:
-    return [pid for pid in _descendants_of(os.getpid())
-            if b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    """Verdict processes still running: started as `gclab.verdict`, or forked from the zygote
+    server (which shows as `gclab.zygote` too, and is the one process allowed to stay)."""
+    servers = {z.proc.pid for z in grading._ZYGOTE}
+    return [pid for pid in _descendants_of(os.getpid()) if pid not in servers and _running(pid)
+            and any(name in Path(f"/proc/{pid}/cmdline").read_bytes() for name in (b"gclab.verdict", b"gclab.zygote"))]
 
 
 def _descendants_of(parent: int) -> list:
@@ -227,6 +230,7 @@ def _descendants_of(parent: int) -> list:
 def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_process(course, tmp_path):
     path = _submit(course, tmp_path, "slow", "import time\ntime.sleep(600)")
     [result] = grading.grade([path], root=course, timeout=15)
+    assert grading._ZYGOTE, "the verdict should have been forked from the zygote server"
     assert result.score == 0
     assert all(t.status == "timeout" for t in result.tests)
     assert "longer than 15 s" in result.reason
@@ -381,3 +385,13 @@ def test_files_the_config_ignores_are_not_released_and_do_not_change_the_cache_k
     assert grading._source_key(course, "toy") == key
     released = grading.build_release(course, tmp_path / "release")
     assert not (released / "toy" / "my_policy.py").exists()
+
+
+def test_a_submission_leaves_nothing_behind_for_the_next(course, tmp_path):
+    """Verdicts forked from one zygote server each start from it untouched."""
+    first = _submit(course, tmp_path, "sets_state", "import os, json\nos.environ['LEFT_BEHIND'] = '1'\n"
+                                                   "json.LEFT_BEHIND = 1\ndef double(x):\n    return 2 * x")
+    second = _submit(course, tmp_path, "reads_state", "import os, json\ndef double(x):\n"
+                                                     "    return 0 if 'LEFT_BEHIND' in os.environ or hasattr(json, 'LEFT_BEHIND') else 2 * x")
+    results = grading.grade([first, second], root=course)
+    assert [r.score for r in results] == [2.0, 2.0], grading.format_results(results)

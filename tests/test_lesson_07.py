@@ -1,0 +1,364 @@
+"""Lesson 07 end to end: the solution runs clean, and grading accepts only a cache that lets go."""
+import re
+
+import pytest
+
+from lesson_support import (
+    test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
+    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result, grade_all,
+    plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
+)
+
+SOLUTION = ROOT / "solutions" / "07_weakref_caches" / "07_weakref_caches.ipynb"
+RELEASE = ROOT / "notebooks" / "07_weakref_caches" / "07_weakref_caches.ipynb"
+POINTS = 10
+
+# The reference design with one piece swapped: {first} runs at the top of get, {strong} keeps
+# the strong part (or not), {found} is what get returns.
+REFERENCE = '''
+import collections, copy
+
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+        self._live = weakref.WeakValueDictionary()
+        self._recent = collections.OrderedDict()
+
+    def get(self, name):
+        {first}
+        model = self._live.get(name)
+        if model is None:
+            model = self.loader(name)
+            self.loads += 1
+            self._live[name] = model
+        {strong}
+        return {found}
+
+    def __len__(self):
+        return len(self._live)
+
+    def __iter__(self):
+        return iter(list(self._live.keys()))
+'''
+LRU = '''self._recent[name] = model
+        self._recent.move_to_end(name)
+        while len(self._recent) > self.keep:
+            self._recent.popitem(last=False)'''
+
+
+def reference(first="pass", strong=LRU, found="model"):
+    return REFERENCE.format(first=first, strong=strong, found=found)
+
+
+# The cache the lesson starts from, under the graded name: it never lets a model go.
+STRONG = '''
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+        self._models = {{}}
+
+    def get(self, name):
+        {first}
+        if name not in self._models:
+            model = self.loader(name)
+            self.loads += 1
+            {on_load}
+            self._models[name] = model
+        return self._models[name]
+
+    def __len__(self):
+        return len(self._models)
+
+    def __iter__(self):
+        return iter(list(self._models))
+{after}'''
+
+
+def strong(first="pass", on_load="pass", after=""):
+    return STRONG.format(first=first, on_load=on_load, after=after)
+
+
+DEL_REMOVES_ENTRY = strong(
+    on_load="model._cache_entry = (self._models, name)     # so that the model can remove itself\n"
+            "            type(model).__del__ = _remove_entry",
+    after='''
+def _remove_entry(model):
+    # when a model is deleted, take its entry out of the cache
+    entry = getattr(model, "_cache_entry", None)
+    if entry is not None:
+        entry[0].pop(entry[1], None)
+''')
+
+WEAK_KEYS = '''
+class _Name:
+    """A str cannot be a weak key, so each name gets a key object."""
+    def __init__(self, text):
+        self.text = text
+
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+        self._names = {}                              # name -> its key object
+        self._models = weakref.WeakKeyDictionary()    # key object -> model
+
+    def get(self, name):
+        key = self._names.setdefault(name, _Name(name))
+        model = self._models.get(key)
+        if model is None:
+            model = self._models[key] = self.loader(name)
+            self.loads += 1
+        return model
+
+    def __len__(self):
+        return len(self._models)
+
+    def __iter__(self):
+        return iter([key.text for key in list(self._models.keys())])
+'''
+
+NEVER_CACHES = '''
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+
+    def get(self, name):
+        self.loads += 1
+        return self.loader(name)
+
+    def __len__(self):
+        return 0
+
+    def __iter__(self):
+        return iter([])
+'''
+
+LRU_CACHE_ON_LOADER = '''
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.keep = keep
+        self._load = functools.lru_cache(maxsize=keep)(loader)
+
+    @property
+    def loads(self):
+        return self._load.cache_info().misses
+
+    def get(self, name):
+        return self._load(name)
+
+    def __len__(self):
+        return self._load.cache_info().currsize
+
+    def __iter__(self):
+        return iter([])
+'''
+
+STALE_WEAKREFS = '''
+import collections
+
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+        self._refs = {}                               # name -> weakref.ref(model), never removed
+        self._recent = collections.OrderedDict()
+
+    def get(self, name):
+        ref = self._refs.get(name)
+        model = ref() if ref is not None else None
+        if model is None:
+            model = self.loader(name)
+            self.loads += 1
+            self._refs[name] = weakref.ref(model)
+        self._recent[name] = model
+        self._recent.move_to_end(name)
+        while len(self._recent) > self.keep:
+            self._recent.popitem(last=False)
+        return model
+
+    def __len__(self):
+        return len(self._refs)
+
+    def __iter__(self):
+        return iter(list(self._refs))
+'''
+
+CALLBACKS_AND_A_LIST = '''
+class ModelCache:
+    """Weak references whose callbacks remove their own entry; the strong part is a list."""
+
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+        self._refs = {}                  # name -> weakref.ref(model)
+        self._recent = []                # the strong part, most recently used last
+
+    def _forget(self, name):
+        cache_ref = weakref.ref(self)    # the callback must not hold the cache: a cycle would keep it
+        def callback(ref):
+            cache = cache_ref()
+            if cache is not None and cache._refs.get(name) is ref:
+                del cache._refs[name]
+        return callback
+
+    def get(self, name):
+        ref = self._refs.get(name)
+        model = None if ref is None else ref()
+        if model is None:
+            model = self.loader(name)
+            self.loads += 1
+            self._refs[name] = weakref.ref(model, self._forget(name))
+        recent = [m for m in self._recent if m is not model] + [model]
+        self._recent = recent[len(recent) - self.keep:] if self.keep else []
+        return model
+
+    def __len__(self):
+        return sum(ref() is not None for ref in self._refs.values())
+
+    def __iter__(self):
+        return (name for name, ref in list(self._refs.items()) if ref() is not None)
+'''
+
+FINALIZE_AND_A_DICT = '''
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self._loader, self._keep, self._loaded = loader, keep, 0
+        self._entries = {}               # name -> weakref.ref(model); each model's finalizer deletes its own
+        self._pinned = {}                # the strong part: a dict keeps insertion order, oldest use first
+
+    @property
+    def loads(self):
+        return self._loaded
+
+    def get(self, name):
+        entry = self._entries.get(name)
+        model = entry() if entry else None
+        if model is None:
+            model = self._loader(name)
+            self._loaded += 1
+            self._entries[name] = weakref.ref(model)
+            weakref.finalize(model, self._entries.pop, name, None)   # holds the dict, not the cache
+        self._pinned.pop(name, None)
+        self._pinned[name] = model
+        while len(self._pinned) > self._keep:
+            del self._pinned[next(iter(self._pinned))]
+        return model
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __iter__(self):
+        yield from list(self._entries)
+'''
+
+# The same cache with callbacks that hold the cache: a cycle, so a dropped cache keeps its strong part.
+CALLBACKS_HOLD_THE_CACHE = CALLBACKS_AND_A_LIST.replace(
+    """        cache_ref = weakref.ref(self)    # the callback must not hold the cache: a cycle would keep it
+        def callback(ref):
+            cache = cache_ref()
+            if cache is not None and cache._refs.get(name) is ref:
+                del cache._refs[name]""",
+    """        def callback(ref):
+            if self._refs.get(name) is ref:
+                del self._refs[name]""")
+assert CALLBACKS_HOLD_THE_CACHE != CALLBACKS_AND_A_LIST
+
+# Right caches written differently from the solution: each must earn full marks.
+ALTERNATIVES = {"callbacks_and_a_list": CALLBACKS_AND_A_LIST, "finalize_and_a_dict": FINALIZE_AND_A_DICT}
+
+# Plausible wrong fixes: none may earn full marks.
+WRONG = {
+    "dict_and_collect": strong(first="gc.collect()                  # free the models nobody uses"),
+    "del_removes_entry": DEL_REMOVES_ENTRY,
+    "weak_keys": WEAK_KEYS,
+    "copies_the_model": reference(found="copy.deepcopy(model)     # each user gets a private copy"),
+    "clears_every_call": reference(first="self._live.clear(); self._recent.clear()"),
+    "never_caches": NEVER_CACHES,
+    "lru_cache_on_loader": LRU_CACHE_ON_LOADER,
+    "purely_weak": reference(strong="pass"),
+    "stale_weakrefs": STALE_WEAKREFS,
+    "fifo_eviction": reference(strong=LRU.replace("\n        self._recent.move_to_end(name)", "")),
+    "callbacks_hold_the_cache": CALLBACKS_HOLD_THE_CACHE,
+    "patches_the_grader": strong(after="\nchecks.assert_flat = lambda report: None\n"),
+}
+
+# Which test each wrong fix must fail, and words its message must hold.
+TOLD_WHY = {
+    "dict_and_collect": ("test_frees_memory", "the collector ran"),
+    "del_removes_entry": ("test_frees_memory", "m0 is still alive"),
+    "weak_keys": ("test_frees_memory", "m0 is still alive"),
+    "copies_the_model": ("test_same_model", "two different objects"),
+    "clears_every_call": ("test_same_model", "two different objects"),
+    "never_caches": ("test_same_model", "two different objects"),
+    "lru_cache_on_loader": ("test_same_model", "returned another object"),
+    "purely_weak": ("test_keeps_recent", "expected ['m0', 'm2']"),
+    "stale_weakrefs": ("test_no_stale_entries", "stale entries: ['m0']"),
+    "fifo_eviction": ("test_keeps_recent", "least recently used"),
+    "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
+    paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, strong(), folder)
+    return grade_all(paths, folder)
+
+
+def test_solution_notebook_runs_clean_on_cpu(executed):
+    """The solution as a learner runs it (every cell, hidden tests included): no error, no stderr."""
+    assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
+    text = printed_text(executed)
+    assert re.search(r"functools\.lru_cache: 10\.02 MiB held after the last request = 5 models", text)
+    assert "two of them copies of m0" in text
+    assert "Predictor: 2.01 MiB while in use; after `del predictor`: 2.01 MiB held" in text
+    assert "every input dropped, 4 entries left" in text and "every input dropped, 0 entries left" in text
+    assert "after `del model`: ReferenceError" in text
+    assert "`key in table` for the very tensor stored in it raised RuntimeError" in text
+    assert "WeakIdKeyDictionary finds the tensor itself: True; an equal tensor: False" in text
+    assert "the entry is still there ['m0']" in text
+    assert "__del__ ran 0 times, the finalizer is still alive (True)" in text, "a cycle waits for the collector"
+    assert re.search(r"gc\.collect\(\): \d+ collected, 0 uncollectable, 0 in gc\.garbage", text)
+    loads = dict(re.findall(r"(dict \(strong\)|WeakValueDictionary|weak \+ last 3 kept): +(\d+) loads", text))
+    loads = {design: int(count) for design, count in loads.items()}
+    assert loads["WeakValueDictionary"] == 120 and 5 < loads["weak + last 3 kept"] < 120, loads
+    assert re.search(r"dict \(strong\): .* out of memory at request \d+", text)
+    assert plots_drawn(executed) == 2
+
+
+@pytest.mark.parametrize("name", ["solution", *sorted(ALTERNATIVES)])
+def test_right_cache_earns_full_marks(graded, name):
+    """The solution, and right caches written differently from it."""
+    assert_full_marks(graded[name], POINTS)
+
+
+def test_untouched_student_notebook_earns_nothing(graded):
+    assert_no_marks_until_answered(graded["untouched"], POINTS)
+    assert all("ModelCache is not defined yet" in t.message for t in graded["untouched"].tests)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG) + ["edits_locked_cells"])
+def test_wrong_fix_does_not_earn_full_marks(graded, name):
+    assert_less_than_full_marks(graded[name], POINTS)
+
+
+@pytest.mark.parametrize("name", sorted(TOLD_WHY))
+def test_wrong_fixes_are_told_why(graded, name):
+    test_id, words = TOLD_WHY[name]
+    result = cell_result(graded[name], test_id)
+    assert result.status == "failed" and words in result.message, (result.status, result.message)
+
+
+def test_partial_work_earns_partial_marks(graded):
+    """A cache right but for one property loses only the points of the test for it."""
+    assert graded["purely_weak"].score == POINTS - 2
+    assert graded["stale_weakrefs"].score == POINTS - 2
+    assert graded["fifo_eviction"].score == POINTS - 2
+
+
+def test_patching_the_grader_is_reported(graded):
+    assert "modifies the grader" in graded["patches_the_grader"].reason
+
+
+def test_edited_locked_cells_are_restored_before_grading(graded):
+    result = graded["edits_locked_cells"]
+    assert result.score < POINTS, "the original tests must run, not the student's `pass`"
+    assert "still alive" in cell_result(result, "test_frees_memory").message
