@@ -110,17 +110,11 @@ def exclusive_first(submissions, root: Path) -> tuple[list[Submission], list[Sub
 
 def grade_class(submissions, settings: Settings, jobs: int = 1, report: bool = True) -> list[grading.NotebookResult]:
     """Grade every submission here, `jobs` at a time (timed lessons one at a time, first),
-    then write the class report into out/reports/."""
+    then write the class report into out/reports/; the results in submission order."""
     submissions = list(submissions)
     prepare_gradebook(settings, [s.assignment for s in submissions])
-    alone, shared = exclusive_first(submissions, settings.root)
-    results = [grade_submission(s, settings) for s in alone]
-    if jobs > 1 and len(shared) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            results += list(pool.map(lambda s: grade_submission(s, settings), shared))
-    else:
-        results += [grade_submission(s, settings) for s in shared]
+    timed = set(exclusive_first(submissions, settings.root)[0])
+    results = grading.schedule(submissions, lambda s: grade_submission(s, settings), jobs, alone=timed.__contains__)
     if report:
         write_report(results, settings.out / "reports")
     return results

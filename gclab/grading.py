@@ -623,29 +623,39 @@ def default_memory_limit() -> int | None:
 def grade(paths, root: Path | None = None, timeout: int = 900, memory_limit: int | None | str = "auto",
           cell_timeout: int | None = None, jobs: int = 1, students=None) -> list[NotebookResult]:
     """Grade each submitted notebook (see `grade_one`), `jobs` at a time; a lesson whose
-    hidden tests time things (`timed_lesson`) is graded alone, before the others.
+    hidden tests time things (`timed_lesson`) is graded alone, before the others; the
+    results in the order of `paths`.
     `students` names the student of each notebook (default: none)."""
     paths = [Path(p) for p in paths]
     root = root or find_course_root(*[p.parent for p in paths])
     students = list(students) if students is not None else [""] * len(paths)
-    units = [(index, path, assignment_of(path, root)[0]) for index, path in enumerate(paths)]
-    results = [None] * len(paths)
+    assignments = [assignment_of(p, root)[0] for p in paths]
+    timed = {a for a in set(assignments) if timed_lesson(root, a)}
+    return schedule(list(zip(paths, students, assignments)),
+                    lambda unit: grade_one(unit[0], root, student=unit[1], timeout=timeout,
+                                           memory_limit=memory_limit, cell_timeout=cell_timeout),
+                    jobs, alone=lambda unit: unit[2] in timed)
 
-    def grade_unit(unit):
-        index, path, _ = unit
-        results[index] = grade_one(path, root, student=students[index], timeout=timeout,
-                                   memory_limit=memory_limit, cell_timeout=cell_timeout)
-    alone = [u for u in units if timed_lesson(root, u[2])]
-    for unit in alone:
-        grade_unit(unit)
-    rest = [u for u in units if u not in alone]
+
+def schedule(units, work, jobs: int, alone=lambda unit: False) -> list:
+    """[work(unit) for unit in units], in that order: the units `alone` picks first, one at
+    a time, then the others `jobs` at a time (each grading job is a process of its own;
+    these threads only wait for them)."""
+    results = [None] * len(units)
+
+    def run(index):
+        results[index] = work(units[index])
+    first = [i for i, unit in enumerate(units) if alone(unit)]
+    rest = [i for i in range(len(units)) if i not in first]
+    for index in first:
+        run(index)
     if jobs > 1 and len(rest) > 1:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(grade_unit, rest))
+            list(pool.map(run, rest))
     else:
-        for unit in rest:
-            grade_unit(unit)
+        for index in rest:
+            run(index)
     return results
 
 

@@ -10,30 +10,17 @@ import pytest
 
 from gclab import classroom, feedback, gradebook, grading
 from lesson_support import handed_back_text, leaked_lines
+from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
 NBGRADER = Path(sys.executable).parent / "nbgrader"
 HIDDEN_LINE = "assert double(5) == 10, 'double(5) is not 10'"
 
 
-def _cell(source, grade_id=None, points=None, solution=False):
-    cell = nbformat.v4.new_code_cell(source)
-    if grade_id:
-        cell.metadata["nbgrader"] = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
-                                     "schema_version": 3, "solution": solution, **({"points": points} if points else {})}
-    return cell
-
-
 def _lesson(answer):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [
-        _cell("import gc", "setup"),
-        _cell(answer, "answer", solution=True),
-        _cell("print('self-check: double(2) =', double(2))\nassert double(2) == 4, 'double(2) is not 4'\n"
-              f"### BEGIN HIDDEN TESTS\n{HIDDEN_LINE}\n### END HIDDEN TESTS", "test_double", points=2),
-    ]
-    return nb
+    return lesson(answer, [("test_double", "print('self-check: double(2) =', double(2))\n"
+                                           "assert double(2) == 4, 'double(2) is not 4'\n"
+                                           f"### BEGIN HIDDEN TESTS\n{HIDDEN_LINE}\n### END HIDDEN TESTS", 2)])
 
 
 ANSWERS = {"ada": "def double(x):\n    return 2 * x", "bob": "def double(x):\n    return x + 2 if x == 2 else x",
@@ -42,12 +29,8 @@ ANSWERS = {"ada": "def double(x):\n    return 2 * x", "bob": "def double(x):\n  
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
-    root = tmp_path_factory.mktemp("course")
-    (root / "autograder").mkdir()
-    shutil.copy(ROOT / "autograder" / "nbgrader_config.py", root / "autograder")
-    (root / "solutions" / "toy").mkdir(parents=True)
-    nbformat.write(_lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION"),
-                   root / "solutions" / "toy" / "toy.ipynb")
+    root = make_course(tmp_path_factory.mktemp("course"), {
+        "toy": _lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION")})
     for student, answer in ANSWERS.items():
         (root / "submitted" / student / "toy").mkdir(parents=True)
         nbformat.write(_lesson(answer), root / "submitted" / student / "toy" / "toy.ipynb")

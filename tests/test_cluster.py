@@ -4,7 +4,6 @@ import contextlib
 import io
 import itertools
 import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +12,7 @@ import nbformat
 import pytest
 from distributed import Client, WorkerPlugin
 from postgres import running
+import toy_course
 
 from gclab import classroom, cluster, gradebook, grading
 from gclab.__main__ import main
@@ -25,18 +25,8 @@ ANSWERS = {"alice": {"toy": RIGHT, "clock": RIGHT},        # lesson "clock" is t
 
 
 def _lesson(answer, timed=False):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    if timed:
-        nb.metadata["gclab"] = {"timed": True}
-    meta = {"schema_version": 3, "locked": True, "solution": False, "grade": False}
-    nb.cells = [nbformat.v4.new_code_cell(source, metadata={"nbgrader": {**meta, **extra}}) for source, extra in [
-        ("import gc", {"grade_id": "setup"}),
-        (answer, {"grade_id": "answer", "locked": False, "solution": True}),
-        ("assert double(2) == 4\n### BEGIN HIDDEN TESTS\nassert double(5) == 10\n### END HIDDEN TESTS",
-         {"grade_id": "test_double", "grade": True, "points": 2}),
-    ]]
-    return nb
+    return toy_course.lesson(answer, [("test_double", "assert double(2) == 4\n### BEGIN HIDDEN TESTS\n"
+                                           "assert double(5) == 10\n### END HIDDEN TESTS", 2)], timed=timed)
 
 
 class Spans(WorkerPlugin):
@@ -65,18 +55,14 @@ def graded(tmp_path_factory, postgres):
     --scheduler local --jobs 2`, into one PostgreSQL gradebook."""
     tmp = tmp_path_factory.mktemp("class")
     course, out, submitted = tmp / "course", tmp / "out", tmp / "submitted"
-    (course / "autograder").mkdir(parents=True)
-    shutil.copy(ROOT / "autograder" / "nbgrader_config.py", course / "autograder")
-    for lesson in ("toy", "clock"):
-        (course / "solutions" / lesson).mkdir(parents=True)
-        nbformat.write(_lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION", timed=lesson == "clock"),
-                       course / "solutions" / lesson / f"{lesson}.ipynb")
+    toy_course.make_course(course, {name: _lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION", timed=name == "clock")
+                         for name in ("toy", "clock")})
     for student, answers in ANSWERS.items():
-        for lesson, answer in answers.items():
-            (submitted / student / lesson).mkdir(parents=True)
-            nbformat.write(_lesson(answer), submitted / student / lesson / f"{lesson}.ipynb")
+        for name, answer in answers.items():
+            (submitted / student / name).mkdir(parents=True)
+            nbformat.write(_lesson(answer), submitted / student / name / f"{name}.ipynb")
     with ThreadPoolExecutor(2) as pool:     # nbgrader generates each lesson in seconds: both at once
-        list(pool.map(lambda lesson: grading.prepare(course, lesson), ("toy", "clock")))
+        list(pool.map(lambda name: grading.prepare(course, name), ("toy", "clock")))
     db_url = postgres.create_database("gradebook")
     settings = classroom.settings_for(course, out=out, db_url=db_url, memory_limit=None)
     submissions = classroom.find_submissions(submitted, course)

@@ -10,40 +10,23 @@ import nbformat
 import pytest
 
 from gclab import grading
+from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cell(source, grade_id=None, points=None, solution=False):
-    cell = nbformat.v4.new_code_cell(source)
-    if grade_id:
-        cell.metadata["nbgrader"] = {"grade": points is not None, "grade_id": grade_id, "locked": not solution,
-                                     "schema_version": 3, "solution": solution, **({"points": points} if points else {})}
-    return cell
+TESTS = [("test_double", "assert double(2) == 4\n### BEGIN HIDDEN TESTS\nassert double(5) == 10\n### END HIDDEN TESTS", 1),
+         ("test_zero", "checks.assert_untampered()\nassert double(0) == 0", 1)]
 
 
 def _lesson(answer):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [
-        _cell("import gc\nfrom gclab import checks", "setup"),
-        _cell(answer, "answer", solution=True),
-        _cell("assert double(2) == 4\n### BEGIN HIDDEN TESTS\nassert double(5) == 10\n### END HIDDEN TESTS",
-              "test_double", points=1),
-        _cell("checks.assert_untampered()\nassert double(0) == 0", "test_zero", points=1),
-    ]
-    return nb
+    return lesson(answer, TESTS, setup="import gc\nfrom gclab import checks")
 
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
-    root = tmp_path_factory.mktemp("course")
-    (root / "autograder").mkdir()
-    shutil.copy(ROOT / "autograder" / "nbgrader_config.py", root / "autograder")
-    (root / "solutions" / "toy").mkdir(parents=True)
-    nbformat.write(_lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION"),
-                   root / "solutions" / "toy" / "toy.ipynb")
-    return root
+    return make_course(tmp_path_factory.mktemp("course"), {
+        "toy": _lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION")})
 
 
 def _submit(course, tmp_path, name, answer):
