@@ -51,7 +51,8 @@ from pathlib import Path
 from .gcwatch import Collection, GCWatch, gc_disabled
 
 __all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "ServedCollection", "measure", "compare", "spread",
-           "run_load", "schedule"]
+           "run_load", "schedule", "InlineRun", "serve_inline", "full_collection_cpu",
+           "long_lived_heap"]
 
 READY = "gclab-serving ready on port"
 HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
@@ -918,6 +919,109 @@ def spread(runs: dict, value=lambda run: run.p99) -> dict:
         values = [value(run) for run in seen]
         out[name] = (float(np.median(values)), float(min(values)), float(max(values)))
     return out
+
+
+# -- serving in this process, one request after another ---------------------------------
+@dataclass
+class InlineRun:
+    """Requests a program served one after another in this process (`serve_inline`): for each,
+    (id, start, end) on the perf_counter clock and the CPU seconds it took; every collection
+    with its CPU time; what each request returned (or the error it raised); `left`: the
+    unreachable objects a full collection found right after the last request (cyclic garbage
+    the program's collector settings had not freed yet)."""
+    requests: list
+    cpu: list
+    collections: list
+    results: list
+    left: int = 0
+    stopped_early: bool = False
+
+    @property
+    def trace(self) -> Trace:
+        """The same record as a `Trace`, for `gclab.plots.plot_requests`."""
+        return Trace(self.requests, self.collections)
+
+    def charges(self) -> "np.ndarray":
+        """Per request, the CPU seconds of the longest collection that ran inside it."""
+        import numpy as np
+        longest = np.zeros(len(self.requests))
+        for c in self.collections:
+            for k, (_, start, end) in enumerate(self.requests):
+                if start <= c.start < end:
+                    longest[k] = max(longest[k], c.cpu)
+                    break
+        return longest
+
+    def pause_p99(self) -> float:
+        """P99 over the requests of the longest collection each one ran, in CPU seconds."""
+        import numpy as np
+        return float(np.percentile(self.charges(), 99)) if self.requests else 0.0
+
+    def collected(self) -> int:
+        """Unreachable objects the collections during the run freed."""
+        return sum(c.collected for c in self.collections)
+
+    def garbage_left(self) -> float:
+        """Of the cyclic garbage the run made, the fraction still waiting after the last request."""
+        made = self.collected() + self.left
+        return self.left / made if made else 0.0
+
+    def summary(self) -> str:
+        gens = ", ".join(f"gen {g}: {sum(c.generation == g for c in self.collections)}" for g in range(3))
+        return (f"{len(self.requests)} requests; collections {gens}; longest collection inside a request "
+                f"{self.charges().max(initial=0) * 1e3:.2f} ms of CPU, P99 {self.pause_p99() * 1e3:.2f} ms; "
+                f"cyclic garbage left after the last request: {self.left} objects "
+                f"({self.garbage_left():.0%} of what the run made)"
+                + (" (stopped early: over the pause budget whatever the rest would do)" if self.stopped_early else ""))
+
+
+def serve_inline(handle, requests, pause_budget: float | None = None, thread_time=time.thread_time,
+                 clock=time.perf_counter) -> InlineRun:
+    """Call `handle(request)` for each of `requests` in turn, recording when each ran, the CPU it
+    took and every collection (`gc.callbacks`, with the CPU time of this thread: not inflated when
+    the machine is busy).  An exception a request raises is kept as its result, without frames.
+    Garbage made before the run is collected first; after it, one full collection counts what the
+    run left behind.  The collector is left as the program set it.
+
+    With `pause_budget` (CPU seconds), the run stops as soon as so many requests ran a
+    collection longer than that that the P99 is over budget whatever the rest would do
+    (`stopped_early`): a program that collects in every request is judged in a few requests."""
+    record = InlineRun([], [], [], [])
+    planned = len(requests)
+    over = 0
+    pending = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            pending["start"] = (clock(), thread_time())
+        elif "start" in pending:
+            (start, cpu), end, cpu_end = pending.pop("start"), clock(), thread_time()
+            record.collections.append(ServedCollection(info["generation"], start, end - start,
+                                                       info.get("collected", 0), info.get("uncollectable", 0),
+                                                       cpu_end - cpu))
+
+    gc.collect()
+    gc.callbacks.append(on_gc)
+    try:
+        for k, request in enumerate(requests):
+            first, start, cpu = len(record.collections), clock(), thread_time()
+            try:
+                result = handle(request)
+            except Exception as exc:
+                result = exc.with_traceback(None)
+            record.requests.append((k, start, clock()))
+            record.cpu.append(thread_time() - cpu)
+            record.results.append(result)
+            if pause_budget is not None:
+                longest = max((c.cpu for c in record.collections[first:]), default=0.0)
+                over += longest > pause_budget
+                if over > planned // 100 + 1:
+                    record.stopped_early = True
+                    break
+    finally:
+        gc.callbacks.remove(on_gc)
+    record.left = gc.collect()
+    return record
 
 
 def main(argv=None) -> int:

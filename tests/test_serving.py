@@ -1,4 +1,5 @@
 """The model server and the open-loop load generator: behaviour, not speed (timings live in `make bench`)."""
+import gc
 import os
 import subprocess
 import sys
@@ -6,8 +7,8 @@ import time
 
 import pytest
 
-from gclab.gcwatch import Collection
-from gclab.serving import LoadResult, ModelServer, Trace, run_load, schedule
+from gclab.gcwatch import Collection, gc_disabled
+from gclab.serving import LoadResult, ModelServer, Trace, run_load, schedule, serve_inline
 
 
 def _policy(tmp_path, source, name="policy.py"):
@@ -461,3 +462,62 @@ def test_a_fact_is_not_measured_again(monkeypatch):
     monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(uncollected=90, peak=90)]))
     report = run_policy_check("policy.py")       # a second call would raise StopIteration
     assert report.verdict == "fail" and report.first_failures is None
+
+
+# -- serving in this process (serve_inline) ---------------------------------------------
+class _Node:
+    def __init__(self):
+        self.other = _Other(self)
+
+
+class _Other:
+    def __init__(self, node):
+        self.node = node
+
+
+def _cycles(request):
+    """A request that leaves 50 small reference cycles behind."""
+    for _ in range(50):
+        _Node()
+    return request * 2
+
+
+def test_inline_serving_answers_in_order_and_keeps_errors_without_frames():
+    def handle(request):
+        if request == 3:
+            raise ValueError("bad request 3")
+        return request * 2
+    run = serve_inline(handle, range(5))
+    assert run.results[:3] == [0, 2, 4] and run.results[4] == 8
+    assert isinstance(run.results[3], ValueError) and run.results[3].__traceback__ is None
+    assert [rid for rid, _, _ in run.requests] == [0, 1, 2, 3, 4] and len(run.cpu) == 5
+
+
+def test_a_collection_inside_a_request_is_charged_to_it_in_cpu_time():
+    def handle(request):
+        if request == 2:
+            gc.collect()
+        return request
+    run = serve_inline(handle, range(4))
+    charged = run.charges()
+    assert charged[2] > 0 and charged[[0, 1, 3]].sum() == 0
+    assert [c.generation for c in run.collections] == [2]
+    assert run.collections[0].cpu == pytest.approx(charged[2])
+
+
+def test_the_collector_switched_off_leaves_all_the_garbage_and_on_frees_most():
+    with gc_disabled():
+        off = serve_inline(_cycles, range(100))
+    assert off.garbage_left() == 1.0 and off.left == 100 * 50 * 2 and not off.collections
+    on = serve_inline(_cycles, range(100))
+    assert on.collections and on.garbage_left() < 0.5
+
+
+def test_a_run_over_its_pause_budget_stops_once_the_p99_cannot_be_met():
+    def collects(request):
+        gc.collect()
+        return request
+    run = serve_inline(collects, list(range(300)), pause_budget=1e-9)
+    assert run.stopped_early and len(run.requests) == 300 // 100 + 2
+    assert run.pause_p99() > 1e-9 and "stopped early" in run.summary()
+    assert not serve_inline(_cycles, list(range(50)), pause_budget=10.0).stopped_early

@@ -1,0 +1,194 @@
+"""Lesson 08 end to end: the solution runs clean, and each fix of the program earns its own points."""
+import re
+
+import nbformat
+import pytest
+
+from lesson_support import (
+    test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
+    ROOT, assert_full_marks, assert_less_than_full_marks, cell_result, grade_all, plots_drawn, printed_text,
+    problems, write_locked_cells_edited, write_variants,
+)
+
+SOLUTION = ROOT / "solutions" / "08_capstone" / "08_capstone.ipynb"
+RELEASE = ROOT / "notebooks" / "08_capstone" / "08_capstone.ipynb"
+POINTS = 12
+TESTS = ["test_batches", "test_trainer", "test_registry", "test_errors", "test_serving", "test_job"]
+
+
+def given_program() -> str:
+    """The program as the lesson gives it: the code a learner copies into the answer cell."""
+    nb = nbformat.read(SOLUTION, 4)
+    return next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "given_program")
+
+
+# Each planted problem's smallest fix: (what the given program says, what the fix says).
+FIXES = {
+    "batches": [("self.on_ready = lambda x: x.clamp(-self.limit, self.limit)",
+                 "self.on_ready = functools.partial(torch.clamp, min=-limit, max=limit)")],
+    "trainer": [("        return F.cross_entropy(self.model(VAL_X), VAL_Y)",
+                 "        with torch.no_grad():\n            return F.cross_entropy(self.model(VAL_X), VAL_Y).item()")],
+    "registry": [("        self.versions = {}", "        self.versions = weakref.WeakValueDictionary()"),
+                 ("        self.versions[self.latest] = snapshot",
+                  "        self.versions[self.latest] = self._current = snapshot")],
+    "errors": [("self.errors.append(error)", 'self.errors.append(f"{type(error).__name__}: {error}")')],
+    "serving": [("        gc.collect()                       # keeps the server's memory flat between requests",
+                 "        pass")],
+}
+
+
+def program(fixed=(), extra=()) -> str:
+    """The given program with the fixes named in `fixed`, then the (old, new) edits in `extra`."""
+    source = "import functools\n" + given_program()
+    for old, new in [edit for name in fixed for edit in FIXES[name]] + list(extra):
+        assert source.count(old) == 1, f"{old!r} is not in the program once"
+        source = source.replace(old, new)
+    return source
+
+
+EVERY_FIX = list(FIXES)
+MEMORY_FIXES_BUT_STEPS = ["registry", "errors", "serving"]
+BATCH_RETURN = "        return self.inputs, DATA_Y[self.step % N_BATCHES]"
+TRAINER_RETURN = "        return loss.item()"
+SERVER_INIT = "        self.errors = []                                     # rejected requests, for the health page"
+
+# Right programs written differently from the solution: each must earn full marks.
+ALTERNATIVES = {
+    "smallest_fixes": program(EVERY_FIX),
+    "fixes_written_differently": program(extra=[
+        ("self.on_ready = lambda x: x.clamp(-self.limit, self.limit)",
+         "self.on_ready = lambda x, limit=limit: x.clamp(-limit, limit)     # the value, not self"),
+        ("        return F.cross_entropy(self.model(VAL_X), VAL_Y)",
+         "        return F.cross_entropy(self.model(VAL_X).detach(), VAL_Y).item()"),
+        ("        self.versions[self.latest] = snapshot",
+         "        self.versions[self.latest] = weakref.ref(snapshot)\n        self._latest_model = snapshot"),
+        ("        return self.versions[version or self.latest]",
+         "        model = self.versions[version or self.latest]()\n"
+         "        if model is None:\n            raise KeyError(version)\n        return model"),
+        ("self.errors.append(error)", "self.errors.append(error.with_traceback(None))"),
+        (SERVER_INIT, SERVER_INIT + "\n        gc.freeze()                   # the long-lived heap: never walked again"),
+        ("        gc.collect()                       # keeps the server's memory flat between requests", "        pass"),
+    ]),
+}
+
+# Plausible wrong fixes: none may earn full marks.
+WRONG = {
+    "unchanged_program": program(),
+    "collects_every_step": program(MEMORY_FIXES_BUT_STEPS, [
+        (BATCH_RETURN, "        gc.collect()\n" + BATCH_RETURN),
+        (TRAINER_RETURN, "        gc.collect()\n" + TRAINER_RETURN)]),
+    "empty_cache_every_step": program(MEMORY_FIXES_BUT_STEPS, [
+        (BATCH_RETURN, "        torch.cuda.empty_cache()\n" + BATCH_RETURN),
+        (TRAINER_RETURN, "        torch.cuda.empty_cache()\n" + TRAINER_RETURN)]),
+    "drops_what_leaks": program(["serving"], [
+        ("        self.inputs = self.on_ready(x)\n        return self.inputs,", "        return self.on_ready(x),"),
+        ('{"step": step, "loss": loss.item(), "val_loss": self.validate()}', '{"step": step, "loss": loss.item()}'),
+        ("        self.versions[self.latest] = snapshot", "        self.versions = {self.latest: snapshot}"),
+        ("            self.errors.append(error)\n", "")]),
+    "collector_off_for_good": program(EVERY_FIX, [(SERVER_INIT, SERVER_INIT + "\n        gc.disable()")]),
+    "thresholds_sky_high": program(EVERY_FIX, [(SERVER_INIT, SERVER_INIT + "\n        gc.set_threshold(10**9)")]),
+    "collects_every_50_requests": program(["batches", "trainer", "registry", "errors"], [
+        ("        gc.collect()                       # keeps the server's memory flat between requests",
+         "        self.served = getattr(self, 'served', 0) + 1\n"
+         "        if self.served % 50 == 0:\n            gc.collect()")]),
+    "purely_weak_registry": program(["batches", "trainer", "errors", "serving"], [
+        ("        self.versions = {}", "        self.versions = weakref.WeakValueDictionary()")]),
+    "patches_the_grader": program() + "\nserving.full_collection_cpu = lambda repeats=3: 10.0\n",
+}
+
+# Partial work: which fixes, and the points they must earn (two per problem, two more for all of them).
+PARTIAL = {
+    "only_batches_fixed": (["batches"], 2),
+    "memory_fixed_not_serving": (["batches", "trainer", "registry", "errors"], 8),
+    "all_but_the_registry": (["batches", "trainer", "errors", "serving"], 8),
+}
+
+# Which test a wrong fix must fail, and words its message must hold.
+TOLD_WHY = {
+    "collects_every_step": ("test_batches", "the collector ran"),
+    "empty_cache_every_step": ("test_trainer", "did not return to its baseline"),
+    "drops_what_leaks": ("test_registry", "raised KeyError while version 1 was still in use"),
+    "collector_off_for_good": ("test_serving", "must stay on"),
+    "thresholds_sky_high": ("test_serving", "cyclic garbage unfreed"),
+    "collects_every_50_requests": ("test_serving", "collector pauses over budget"),
+    "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("submissions")
+    partial = {name: program(fixes) for name, (fixes, _) in PARTIAL.items()}
+    paths = {"solution": SOLUTION, "untouched": RELEASE,
+             **write_variants(RELEASE, {**WRONG, **ALTERNATIVES, **partial}, folder)}
+    paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, program(), folder)
+    return grade_all(paths, folder)
+
+
+def test_solution_notebook_runs_clean_on_cpu(executed):
+    """The solution as a learner runs it (every cell, hidden tests included): no error, no stderr."""
+    assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
+    text = printed_text(executed)
+    assert re.search(r"the job ran out of memory after \d+ steps", text), "the given program must run out of memory"
+    served = re.search(r"30 requests; collections gen 0: 0, gen 1: 0, gen 2: 30;", text)
+    assert served, "the given server must run a full collection in every request"
+    assert "Batch at 0x" in text and "--.on_ready--> function lambda" in text, "the detector must find the batch cycle"
+    assert "version 1 is reachable from registry.versions[1]" in text
+    assert "'features', 'hidden', 'logits'" in text, "the rejected request's frame must show what it keeps"
+    assert re.search(r"Trainer: memory did not return to its baseline", text)
+    assert "'val_loss': 'Tensor'" in text
+    for part in ("batches", "trainer", "registry", "rejected requests"):
+        assert re.search(rf"{part}: fixed", text), f"the diagnosis must call {part} fixed for the solution"
+    assert re.search(r"serving: fixed: 200 requests", text)
+    assert plots_drawn(executed) == 2
+
+
+@pytest.mark.parametrize("name", ["solution", *sorted(ALTERNATIVES)])
+def test_right_program_earns_full_marks(graded, name):
+    """The solution, and right programs written differently from it."""
+    assert_full_marks(graded[name], POINTS)
+
+
+def test_untouched_program_earns_nothing_and_every_test_says_why(graded):
+    result = graded["untouched"]
+    assert result.max_score == POINTS and result.score == 0
+    assert [t.id for t in result.tests] == TESTS
+    assert all(t.status == "failed" and t.message for t in result.tests), [(t.id, t.status, t.message) for t in result.tests]
+
+
+@pytest.mark.parametrize("name", sorted(WRONG) + ["edits_locked_cells"])
+def test_wrong_fix_does_not_earn_full_marks(graded, name):
+    assert_less_than_full_marks(graded[name], POINTS)
+
+
+@pytest.mark.parametrize("name", sorted(TOLD_WHY))
+def test_wrong_fixes_are_told_why(graded, name):
+    test_id, words = TOLD_WHY[name]
+    result = cell_result(graded[name], test_id)
+    assert result.status == "failed" and words in result.message, (result.status, result.message)
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+def test_each_fix_earns_its_own_points(graded, name):
+    _, points = PARTIAL[name]
+    assert graded[name].score == points, [(t.id, t.score, t.message[:120]) for t in graded[name].tests]
+
+
+def test_the_unchanged_program_is_told_each_problem(graded):
+    """Every test names what it measured on the given program: a learner knows which problems remain."""
+    messages = {t.id: t.message for t in graded["unchanged_program"].tests}
+    assert "memory did not return to its baseline" in messages["test_batches"]
+    assert "memory did not return to its baseline" in messages["test_trainer"]
+    assert "two models" in messages["test_registry"]
+    assert "memory did not return to its baseline" in messages["test_errors"]
+    assert "collector pauses over budget" in messages["test_serving"]
+    assert "the collector ran" in messages["test_job"]
+
+
+def test_patching_the_grader_is_reported(graded):
+    assert "modifies the grader" in graded["patches_the_grader"].reason
+
+
+def test_edited_locked_cells_are_restored_before_grading(graded):
+    result = graded["edits_locked_cells"]
+    assert result.score == 0, "the original tests must run, not the student's `pass`"
