@@ -2,9 +2,12 @@
 # pinned course and test dependencies; later runs reinstall only when
 # pyproject.toml or constraints.txt change (stamp file .venv/.installed).
 #
-#   make lab                      open JupyterLab on notebooks/  (LAB_ARGS=--no-browser)
+#   make lab                      open a learner's JupyterLab on notebooks/  (LAB_ARGS=--no-browser)
+#   make lab AUTHOR=1             JupyterLab on the course with nbgrader's author tools
 #   make test                     run the test suite             (PYTEST_ARGS="-x -k meter")
-#   make release                  regenerate notebooks/ from solutions/
+#   make release                  regenerate notebooks/ from solutions/, and README's Colab links
+#   make release SOURCE=URL       the same, first keeping URL as where the course lives (Colab;
+#                                 autograder/course.toml), e.g. https://github.com/OWNER/REPO@main
 #   make grade NB="a.ipynb b.ipynb"   grade notebooks, print the scores (GRADE_ARGS=--json)
 #   make grade-class              grade submitted/STUDENT/LESSON/: gradebook, feedback/, reports/
 #                                 (GRADE_ARGS="--jobs 2", or "--scheduler tcp://host:8786")
@@ -13,18 +16,27 @@
 #   make bench                    gclab bench on this machine
 #   make clean / make distclean   remove caches / also remove .venv
 #
-# PIP_ARGS is passed to pip install, e.g. for CPU-only torch wheels from PyTorch's index:
-#   make test PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# PIP_ARGS is passed to pip install, e.g. for CPU-only torch wheels from PyTorch's index
+# (on Linux, PyPI's torch brings several GB of CUDA packages):
+#   make setup PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+#
+# The Jupyter kernel "python3" ("Python 3 (gclab)", the one every notebook names) is
+# registered inside .venv (stamp .venv/.kernel), never for the whole user: each checkout
+# has its own. `make lab` finds it through JUPYTER_PATH and takes its Jupyter settings from
+# lab/ (a learner's lab: nbgrader's author tools off), or autograder/ with AUTHOR=1.
 
 PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
+KERNEL      := $(VENV)/.kernel
 LAB_ARGS    ?=
 PYTEST_ARGS ?=
 GRADE_ARGS  ?=
 PIP_ARGS    ?=
 NB          ?=
+SOURCE      ?=
+AUTHOR      ?=
 
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
@@ -38,19 +50,25 @@ $(PY):
 
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -c constraints.txt $(PIP_ARGS) -e ".[course,test]"
-	$(PY) -m ipykernel install --user --name gclab --display-name "Python (gclab)"
 	touch $@
 
-setup: $(STAMP)
+# The notebooks' kernel, in this checkout's .venv only (gclab.course.KERNELSPEC).
+$(KERNEL): $(STAMP) Makefile
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (gclab)"
+	touch $@
 
-lab: $(STAMP)
-	$(VENV)/bin/jupyter lab $(LAB_ARGS) notebooks/
+setup: $(STAMP) $(KERNEL)
 
-test: $(STAMP)
+lab: $(STAMP) $(KERNEL)
+	JUPYTER_PATH="$(CURDIR)/$(VENV)/share/jupyter" \
+	JUPYTER_CONFIG_PATH="$(CURDIR)/$(if $(AUTHOR),autograder,lab)" \
+	  $(VENV)/bin/jupyter lab $(LAB_ARGS) $(if $(AUTHOR),.,notebooks/)
+
+test: $(STAMP) $(KERNEL)
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 release: $(STAMP)
-	$(PY) -m gclab release
+	$(PY) -m gclab release $(if $(SOURCE),--source "$(SOURCE)")
 
 grade: $(STAMP)
 	$(if $(strip $(NB)),,$(error usage: make grade NB="submission.ipynb [...]"))

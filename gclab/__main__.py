@@ -26,7 +26,12 @@ def main(argv=None) -> int:
     parser.add_argument("--course", type=Path, help="the course folder (default: found from the notebooks or here)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("release", help="regenerate notebooks/ from solutions/ with nbgrader")
+    r = sub.add_parser("release", help="regenerate notebooks/ from solutions/ with nbgrader, and README's Colab links")
+    r.add_argument("--source", metavar="URL",
+                   help="where the course lives, kept in autograder/course.toml: a GitHub repository "
+                        "(https://github.com/OWNER/REPO@BRANCH: README gets an Open-in-Colab link per lesson) or "
+                        "any address pip installs it from; every student notebook's first cell installs gclab "
+                        "from it where gclab is missing (Colab). '' unsets it. Default: the one kept")
 
     g = sub.add_parser("grade", help="grade submitted notebooks, or a class in nbgrader's layout")
     g.add_argument("notebooks", nargs="*", type=Path,
@@ -57,9 +62,21 @@ def main(argv=None) -> int:
     from . import grading
 
     if args.command == "release":
+        from . import course
         root = args.course or grading.find_course_root()
-        for path in grading.release(root):
+        if args.source is not None:
+            try:
+                course.check_source(args.source)
+            except ValueError as exc:
+                parser.error(str(exc))
+        for path in grading.release(root, source=args.source):
             print(f"released {path.relative_to(root)}")
+        source = course.Source(course.read_source(root))
+        if not source.given:
+            print("course address: not set (gclab release --source URL): on Colab a learner must set GCLAB_SOURCE")
+        else:
+            print(f"course address: {source.given} (pip installs {source.requirement}); "
+                  + ("README's Colab links updated" if source.github else "not on GitHub: no Colab links"))
         return 0
     if args.command == "grade":
         missing = [str(p) for p in args.notebooks if not p.is_file()]

@@ -110,14 +110,18 @@ def ignored_patterns(root: Path) -> list[str]:
 
 
 def _scratch_course(root: Path, assignments, workdir: Path) -> Path:
-    """A throw-away nbgrader course in `workdir` with the given lessons' sources."""
+    """A throw-away nbgrader course in `workdir` with the given lessons' sources, the course's
+    address (autograder/course.toml) written into their set-up cells before nbgrader locks them."""
+    from . import course
     (workdir / "autograder").mkdir(parents=True, exist_ok=True)
     shutil.copy(root / CONFIG, workdir / CONFIG)
+    source = course.read_source(root)
     for name in assignments:
         shutil.copytree(root / "solutions" / name, workdir / "solutions" / name,
                         ignore=shutil.ignore_patterns(*ignored_patterns(root)))
         for path in (workdir / "solutions" / name).glob("*.ipynb"):
             _strip_hidden_tests(path)
+            course.write_source_into(path, source)
     return workdir
 
 
@@ -141,13 +145,18 @@ def build_release(root: Path, out: Path, assignments=None) -> Path:
     return out
 
 
-def release(root: Path) -> list[Path]:
-    """Regenerate notebooks/ from solutions/ (stale lesson folders are removed)."""
+def release(root: Path, source: str | None = None) -> list[Path]:
+    """Regenerate notebooks/ from solutions/ (stale lesson folders are removed), and README's
+    Colab links.  With `source`, first keep it as the course's address (autograder/course.toml)."""
+    from . import course
+    if source is not None:
+        course.write_source(root, source)
     target = root / "notebooks"
     for stale in target.glob("*/"):
         if stale.name not in lessons(root):
             shutil.rmtree(stale)
     build_release(root, target)
+    course.update_readme(root)
     return sorted(target.glob("*/*.ipynb"))
 
 
@@ -695,6 +704,9 @@ def _source_key(root: Path, assignment: str) -> str:
     from importlib.metadata import version
     digest = hashlib.sha256(version("nbgrader").encode() + b"hidden tests stripped line by line")
     digest.update((root / CONFIG).read_bytes())
+    from . import course
+    if course.read_source(root):        # the address goes into the set-up cells
+        digest.update(b"\0source\0" + course.read_source(root).encode())
     ignored = ignored_patterns(root)
     for path in sorted((root / "solutions" / assignment).rglob("*")):
         parts = path.relative_to(root / "solutions" / assignment).parts

@@ -159,3 +159,35 @@ def test_readme_shows_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     for command in ("make lab", "make test"):
         assert command in readme, f"README.md does not show `{command}`"
+
+
+def test_the_kernel_is_registered_per_checkout_as_the_notebooks_name_it():
+    from gclab import course
+    makefile = (ROOT / "Makefile").read_text()
+    installs = re.findall(r"ipykernel install .*", makefile)
+    assert installs, "the Makefile registers no Jupyter kernel"
+    for line in installs:
+        assert "--user" not in line and "--sys-prefix" in line, f"a kernel for the whole user: {line}"
+        assert f"--name {course.KERNEL_NAME}" in line and f'--display-name "{course.KERNEL_DISPLAY_NAME}"' in line
+    lab = re.search(r"^lab:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert 'JUPYTER_PATH="$(CURDIR)/$(VENV)/share/jupyter"' in lab
+    assert "JUPYTER_CONFIG_PATH=" in lab and "$(if $(AUTHOR),autograder,lab)" in lab
+
+
+def test_the_learners_lab_turns_nbgrader_off():
+    import json
+    server = json.loads((ROOT / "lab" / "jupyter_server_config.json").read_text())
+    extensions = server["ServerApp"]["jpserver_extensions"]
+    assert extensions and not any(extensions.values())
+    assert all(name.startswith("nbgrader.") for name in extensions)
+    assert server["KernelSpecManager"]["allowed_kernelspecs"] == ["python3"]
+    page = json.loads((ROOT / "lab" / "labconfig" / "page_config.json").read_text())
+    assert page["disabledExtensions"] == {"@jupyter/nbgrader": True}
+
+
+def test_readme_warns_about_cuda_downloads_before_anything_else():
+    readme = (ROOT / "README.md").read_text()
+    command = 'make setup PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"'
+    assert command in readme and command in (ROOT / "Makefile").read_text()
+    assert readme.index(command) < readme.index("## Lessons"), "the CPU-wheel command must come before the lessons"
+    assert "several GB of CUDA packages" in readme[:readme.index("## Lessons")]
