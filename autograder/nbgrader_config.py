@@ -32,9 +32,11 @@ c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "*.png
 c.Execute.timeout = 180
 c.Execute.interrupt_on_timeout = True
 
-# The student's stub: the answer cell is replaced by this text in the release.
+# The student's stub: what an answer cell holds between ### BEGIN SOLUTION and ### END SOLUTION
+# is replaced by this text in the release.  What the exercise asks for is the cell's first
+# line, above ### BEGIN SOLUTION (every lesson's answer cell has one).
 c.ClearSolutions.code_stub = {
-    "python": "# YOUR CODE HERE: write your fix in this cell (start from a copy of the code above)\n"
+    "python": "# YOUR CODE HERE\n"
               "raise NotImplementedError()",
 }
 

@@ -576,7 +576,10 @@ DETECTOR_COST = (
     "Tensor-cycle detector on: from now until the end of the `with` block, every collection that "
     "finds garbage is followed by one or two extra FULL collections (one to gather all the garbage, "
     "one to free what it kept to look at), so collections are much slower, and every Python call "
-    "passes through a profile hook. Do not time anything inside it.")
+    "passes through a profile hook. Do not time anything inside it. (Said once per session.)")
+# DETECTOR_COST is printed by the first detector of the process only.  A set that is added to,
+# never a name rebound: the grader's guard takes every module attribute rebound as tampering.
+_told: set = set()
 
 
 def is_tensor(obj) -> bool:
@@ -808,7 +811,8 @@ class TensorCycles:
     a full collection; without it, the collection that frees would free that garbage
     unseen), the report, then the debug flags put back, the saved garbage taken out of
     gc.garbage and a second full collection that frees it.  That is the cost
-    DETECTOR_COST warns of; a collection that finds nothing costs about what it did.
+    DETECTOR_COST warns of (printed by the first detector a process turns on, not by every
+    one); a collection that finds nothing costs about what it did.
     """
 
     def __init__(self, tensor_test=is_tensor):
@@ -824,7 +828,9 @@ class TensorCycles:
         self._previous_profile = None
 
     def __enter__(self) -> "TensorCycles":
-        print(DETECTOR_COST)
+        if "cost" not in _told:
+            print(DETECTOR_COST)
+            _told.add("cost")
         self._flags_at_enter = gc.get_debug()
         gc.callbacks.append(self._callback)
         return self

@@ -415,7 +415,11 @@ class Meter:
     def reserved(self) -> int:
         """Bytes the device's allocator holds, cached blocks included.
 
-        The CPU meter has no cache, so there it equals `allocated()`.
+        On CUDA, `torch.cuda.memory_reserved()`: PyTorch's part of what `nvidia-smi` shows,
+        which stays up after tensors die until `torch.cuda.empty_cache()`.  The CPU meter has
+        no cache to report (PyTorch's CPU allocator hands a freed tensor's bytes straight
+        back to the C library), so there it equals `allocated()` at every moment, and
+        `empty_cache()` changes nothing.
         """
         if self.is_cuda and self._active:
             return torch.cuda.memory_reserved(self.device)

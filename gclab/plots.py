@@ -6,7 +6,8 @@ import numpy as np
 
 from .memory import MiB
 
-__all__ = ["plot_timeline", "plot_latency", "plot_latency_spread", "plot_requests", "GENERATION_COLOURS"]
+__all__ = ["plot_timeline", "held_after_collections", "plot_ratchet", "plot_floors", "panel_below", "plot_latency",
+           "plot_latency_spread", "plot_requests", "GENERATION_COLOURS"]
 
 GENERATION_COLOURS = {0: "tab:green", 1: "tab:orange", 2: "tab:red"}
 
@@ -21,10 +22,13 @@ def _collection_positions(meter, collections):
     return np.searchsorted(seconds, starts) - 0.5
 
 
-def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration"):
+def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration", faint=()):
     """Memory held (MiB) at each recorded point, with the budget, the OOM and collections.
 
-    `collections` is a list of `gclab.gcwatch.Collection` (for example `watch.collections`).
+    `collections` is a list of `gclab.gcwatch.Collection` (for example `watch.collections`);
+    collections of the generations in `faint` are drawn thin and pale (many of them).  The
+    out-of-memory cross sits at the budget, where the allocation that failed would have
+    taken memory; the point recorded after the error shows what was held by then.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.5))
@@ -34,19 +38,115 @@ def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration"
         kind = "simulated budget" if meter.simulated else "device budget"
         ax.axhline(meter.budget / MiB, color="black", ls="--", lw=1, label=kind)
     drawn = set()
-    for x, c in zip(_collection_positions(meter, collections), collections):
+    for x, c in sorted(zip(_collection_positions(meter, collections), collections),
+                       key=lambda xc: min(xc[1].generation, 2)):
         gen = min(c.generation, 2)
         label = None if gen in drawn else f"gen {gen} collection"
         drawn.add(gen)
-        ax.axvline(x, color=GENERATION_COLOURS[gen], lw=0.8, alpha=0.7, label=label)
+        if gen in faint:
+            ax.axvline(x, color=GENERATION_COLOURS[gen], lw=0.5, alpha=0.25, label=label)
+        else:
+            ax.axvline(x, color=GENERATION_COLOURS[gen], lw=1.2 if faint else 0.8, alpha=0.8, label=label)
     oom = [i for i, p in enumerate(meter.timeline) if p.label == "OOM"]
     if oom:
-        ax.plot(oom, [mib[i] for i in oom], "x", color="red", ms=12, mew=3, label="out of memory")
+        at = [max(mib[i], meter.budget / MiB) if meter.budget else mib[i] for i in oom]
+        ax.plot(oom, at, "x", color="red", ms=12, mew=3, label="out of memory")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("MiB held by tensors")
     top = max(mib + [meter.budget / MiB if meter.budget else 0, 1e-3])
     ax.set_ylim(-0.03 * top, 1.08 * top)   # a line flat at zero stays visible above the axis
     ax.set_title(title or f"Tensor memory on {meter.device}")
+    ax.legend(loc="upper left", fontsize="small")
+    return ax
+
+
+def held_after_collections(meter, collections):
+    """For each collection, `(x, bytes, generation)`: where it sits on the timeline's x axis
+    and the memory recorded at the first point after it (the floor it left).  A collection
+    after the last recorded point is left out."""
+    timeline = meter.timeline
+    held = []
+    for x, c in zip(_collection_positions(meter, collections), collections):
+        after = int(x + 0.5)
+        if 0 <= after < len(timeline):
+            held.append((float(x), timeline[after].allocated, c.generation))
+    return held
+
+
+def panel_below(ax, height_ratios=(2, 1)):
+    """An Axes under `ax`, in the slot `ax` had in its figure, sharing its x axis; made on
+    the first call and cleared and reused on later ones (so a figure that is redrawn, as
+    `gclab.widgets.Explorer` redraws, keeps two panels)."""
+    below = getattr(ax, "_gclab_panel_below", None)
+    if below is not None and below.figure is ax.figure and below in ax.figure.axes:
+        below.clear()
+        return below
+    spec = ax.get_subplotspec()
+    if spec is None:
+        raise ValueError("panel_below needs an Axes placed in a grid (plt.subplots, add_subplot)")
+    grid = spec.subgridspec(2, 1, height_ratios=height_ratios, hspace=0.08)
+    ax.set_subplotspec(grid[0])
+    below = ax.figure.add_subplot(grid[1], sharex=ax)
+    ax._gclab_panel_below = below
+    return below
+
+
+def plot_ratchet(meter, collections=(), ax=None, title=None, xlabel="iteration"):
+    """The timeline (`plot_timeline`) above, and below it the memory held just after each
+    collection, a dot per collection coloured by generation, with a line through those left
+    by collections of generation 1 and older: where garbage that survived into an older
+    generation waits, that line climbs.  Returns (timeline Axes, floor Axes)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 5.5))
+    below = panel_below(ax)
+    plot_timeline(meter, collections, ax=ax, title=title, xlabel="", faint=(0,))
+    ax.tick_params(labelbottom=False)
+    held = held_after_collections(meter, collections)
+    for gen in sorted({min(g, 2) for _, _, g in held}):
+        xs = [x for x, _, g in held if min(g, 2) == gen]
+        ys = [b / MiB for _, b, g in held if min(g, 2) == gen]
+        below.plot(xs, ys, "o", ms=3 if gen == 0 else 6, color=GENERATION_COLOURS[gen],
+                   label=f"after a gen {gen} collection", zorder=3 if gen else 2)
+    older = [(x, b / MiB) for x, b, g in held if g >= 1]
+    if older:
+        xs, ys = zip(*older)
+        last = len(meter.timeline) - 1
+        below.step([0.0, *xs, max(last, xs[-1])], [0.0, *ys, ys[-1]], where="post", color="black", lw=1,
+                   label="floor left by gen 1+ collections")
+    below.set_xlabel(xlabel)
+    below.set_ylabel("MiB held\nafter a collection")
+    top = max([y for _, y in older] + [b / MiB for _, b, _ in held] + [1e-3])
+    below.set_ylim(-0.05 * top, 1.15 * top)
+    if held:
+        below.legend(loc="upper left", fontsize="x-small", ncol=3)
+    return ax, below
+
+
+def plot_floors(runs, ax=None, title="Memory held just after each generation-1 or older collection",
+                xlabel="iteration"):
+    """Several runs' floors side by side: for each, the memory held just after each
+    collection of generation 1 or older, as a step line, with full collections ringed.
+
+    `runs` maps a label to `(meter, collections)`."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.2))
+    full_drawn = False
+    for label, (meter, collections) in runs.items():
+        older = [(x, b / MiB, g) for x, b, g in held_after_collections(meter, collections) if g >= 1]
+        last = max(len(meter.timeline) - 1, 0)
+        xs = [0.0] + [x for x, _, _ in older] + [last]
+        ys = [0.0] + [y for _, y, _ in older]
+        line, = ax.step(xs, ys + ys[-1:], where="post", lw=1.5, label=label)
+        ax.plot([x for x, _, _ in older], [y for _, y, _ in older], "o", ms=4, color=line.get_color())
+        full = [(x, y) for x, y, g in older if g >= 2]
+        if full:
+            ax.plot(*zip(*full), "o", ms=11, mfc="none", mec=GENERATION_COLOURS[2], mew=2,
+                    label=None if full_drawn else "full collection")
+            full_drawn = True
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("MiB held")
+    ax.set_ylim(bottom=-0.05 * max(ax.get_ylim()[1], 1e-3))
+    ax.set_title(title)
     ax.legend(loc="upper left", fontsize="small")
     return ax
 

@@ -18,6 +18,7 @@ stops after `max_visits` objects.
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
 import traceback
 import types
@@ -117,21 +118,43 @@ def links(parent, child) -> list[str]:
 
 
 def frame_local_names(frame, child) -> list[str]:
-    """The names of `frame`'s local variables that hold `child`.  Before 3.13 reading
-    frame.f_locals would store a copy of the frame's locals on it, which frame.clear()
-    (and so traceback.clear_frames) leaves alone: there only a copy that already exists is
-    read, and [] comes back when there is none."""
+    """The names of `frame`'s local variables that hold `child`, on every Python version.
+
+    Up to 3.12, reading `frame.f_locals` refreshes a snapshot of the locals that the frame
+    keeps (PEP 667 removed it in 3.13), and `frame.clear()` (so `traceback.clear_frames`)
+    leaves that snapshot alone: a search that left one behind would keep the locals alive
+    after `clear_frames`.  There the snapshot is read and then put back as it was found:
+    emptied when this call made it, its old contents restored when it was there already.
+    """
     if sys.version_info >= (3, 13):      # f_locals is a live view (PEP 667): reading it stores nothing
-        snapshots = [dict(frame.f_locals)]
-    else:
-        shared = (frame.f_globals, frame.f_builtins)
-        snapshots = [d for d in gc.get_referents(frame) if type(d) is dict and not any(d is s for s in shared)]
-    return list(dict.fromkeys(name for snapshot in snapshots
-                              for name, value in list(snapshot.items()) if value is child))
+        return _names_of(dict(frame.f_locals), child)
+    shared = (frame.f_globals, frame.f_builtins)
+    found_before = {id(d): dict(d) for d in gc.get_referents(frame)
+                    if type(d) is dict and not any(d is s for s in shared)}
+    try:
+        if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+            # a module or class body: its locals are a namespace of its own, read as it is
+            return [name for d in found_before.values() for name in _names_of(d, child)]
+        snapshot = frame.f_locals
+        try:
+            names = _names_of(snapshot, child) + _names_of(found_before.get(id(snapshot), {}), child)
+            return list(dict.fromkeys(names))       # the second: a stale snapshot that still holds it
+        finally:
+            snapshot.clear()
+            snapshot.update(found_before.get(id(snapshot), {}))
+    finally:
+        found_before.clear()
+
+
+def _names_of(namespace: dict, child) -> list[str]:
+    return list(dict.fromkeys(name for name, value in list(namespace.items()) if value is child))
 
 
 def _frame_links(frame, child) -> list[str]:
-    return [f".f_locals[{name!r}]" for name in frame_local_names(frame, child)] or [" (a local variable)"]
+    return [f".f_locals[{name!r}]" for name in frame_local_names(frame, child)] or [_HELD_BY_FRAME]
+
+
+_HELD_BY_FRAME = " (held by the frame, under no local variable's name)"
 
 
 def _is_class_dict(cls: type, mapping: dict) -> bool:
@@ -163,6 +186,16 @@ def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: in
     One path per direct holder of `obj` (and per name, when a namespace holds it under
     several).  An empty list means that nothing reachable from a module refers to it any
     more: it may still be held by a running function, or be garbage in a reference cycle.
+
+    Each step of a path is written the way Python reaches it, the same for the same kind
+    of holder on every version: `.name` (an attribute, also a traceback's `.tb_frame`, a
+    function's `.__closure__`, a cell's `.cell_contents`, an exception's
+    `.__traceback__`), `['key']` (a dict; `obj.__dict__['x']` is written `obj.x`), `[3]`
+    (a list or tuple), `.f_locals['name']` (a local variable of a frame that has
+    finished, such as one a traceback keeps), `` (held by the frame, under no local
+    variable's name)`` (a frame holds it, for example through a closure cell),
+    `` (a key of the dict)``, `` (a member of the set)``, and `` -> TypeName`` where the
+    link cannot be named.  A frame's path ends with `# frame of f()`.
     """
     roots = _module_globals()
     shell = _ipython()

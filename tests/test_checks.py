@@ -325,3 +325,135 @@ def test_integrity_problems_names_several_replacements(monkeypatch):
     assert set(integrity_problems()) == {"gc.disable", "torch.OutOfMemoryError"}
 
 # run_policy_check's verdict is tested in tests/test_serving.py, beside the server it reads.
+
+
+# -- naming the holder: which attribute of the learner's object keeps the bytes --------
+class Keeper:
+    """A trainer-like object with one leak of each kind and one attribute that is only replaced."""
+
+    def __init__(self, leak=("kept", "errors", "graphs")):
+        self.leak = leak
+        self.weight = torch.ones(64, requires_grad=True)
+        self.data = torch.zeros(8, 64)           # made before the check: never growth
+        self.kept, self.errors, self.graphs = [], [], {}
+        self.last = None
+
+    def step(self, i):
+        x = self.data[i % 8] + 1                  # 256 B
+        self.last = x * 2                         # replaced every step: a plateau, not growth
+        if "kept" in self.leak:
+            self.kept.append(x)
+        if "graphs" in self.leak:
+            self.graphs[i] = (self.weight * (x + 1)).sum()  # its graph saves x + 1 and the weight
+        if "errors" in self.leak and i % 2:
+            try:
+                hidden = torch.zeros(1024)        # 4 KiB, held by the frame through the traceback
+                raise ValueError(f"step {i}: {hidden.shape}")
+            except ValueError as error:
+                self.errors.append(error)
+        return i
+
+
+def test_a_flat_check_given_the_holder_names_the_attributes_that_grew(collect_after):
+    keeper = Keeper()
+    plain = run_flat_check(Keeper().step, iterations=6, warmup=1)
+    report = run_flat_check(keeper.step, iterations=6, warmup=1, holder=keeper, holder_name="keeper")
+    assert report.growth == plain.growth          # naming the holder does not change the measurement
+    held = report.held
+    assert [h.path for h in held.holdings] == ["keeper.errors", "keeper.graphs", "keeper.kept"]   # most first
+    errors, graphs, kept = held.holdings
+    assert errors.grew == 3 * 4096 and errors.new_entries == 3     # steps 1, 3, 5 (x counts for kept)
+    assert "keeper.errors[0], a ValueError with its traceback, whose __traceback__.tb_frame" in errors.example
+    assert "(in step())" in errors.example
+    assert kept.grew == 6 * 256 and kept.new_entries == 6
+    assert kept.example == "keeper.kept[1], a float32[64] tensor: 256 B"     # kept[0]: the warm-up's
+    assert graphs.grew == 6 * (4 + 256)           # the sum, and the x + 1 its graph saved (the weight is old)
+    assert graphs.example.startswith("keeper.graphs[1], a float32[scalar] tensor with grad_fn SumBackward0")
+    assert "256 B of it saved by its autograd graph" in graphs.example
+    assert held.accounted == report.growth[-1]
+    text = report.explain()
+    assert "Where the bytes are, after 6 iterations: keeper.errors (12.00 KiB more, in 3 entries)" in text
+    assert "keeper.last" not in text and "keeper.data" not in text and "keeper.weight" not in text
+
+
+def test_the_holder_is_named_as_the_notebook_names_it(monkeypatch, collect_after):
+    import sys
+    keeper = Keeper(leak=("kept",))
+    monkeypatch.setattr(sys.modules["__main__"], "trainer", keeper, raising=False)   # a notebook's global
+    report = run_flat_check(keeper.step, iterations=3, warmup=1, holder=keeper)
+    assert report.held.name == "trainer", report.explain()
+    assert "trainer.kept (768 B more, in 3 entries)" in report.explain()
+    monkeypatch.delattr(sys.modules["__main__"], "trainer")
+    report = run_flat_check(keeper.step, iterations=3, warmup=1, holder=keeper)
+    assert "the Keeper.kept (768 B more, in 3 entries)" in report.explain()   # no name: its type
+
+
+def test_a_flat_step_with_a_holder_is_ok_and_names_nothing():
+    keeper = Keeper(leak=())
+    report = run_flat_check(keeper.step, iterations=5, warmup=1, holder=keeper, holder_name="keeper")
+    assert report.ok, report.explain()
+    assert report.held is None
+
+
+def test_bytes_held_outside_the_holder_are_said_to_be_elsewhere(collect_after):
+    outside = []
+
+    def step(i):
+        outside.append(torch.zeros(64))
+
+    keeper = Keeper(leak=())
+    report = run_flat_check(step, iterations=3, warmup=1, holder=keeper, holder_name="keeper")
+    assert not report.ok and report.held.holdings == []
+    assert "Nothing reachable from keeper" in report.explain()
+    assert "gclab.cycles.watch_tensor_cycles" in report.explain()
+
+
+def test_held_bytes_on_its_own_and_a_container_as_the_holder():
+    from gclab.checks import HeldBytes
+
+    log = {"records": [], "latest": torch.zeros(1000)}
+    held = HeldBytes(log, name="log")
+    for i in range(4):
+        log["records"].append(torch.zeros(16) + i)
+        log["latest"] = torch.zeros(1000)          # replaced: no growth
+    report = held.report()
+    held.close()
+    assert [(h.path, h.grew, h.new_entries) for h in report.holdings] == [("log['records']", 4 * 64, 4)]
+    assert "Where the bytes are, now: log['records'] (256 B more, in 4 entries)" in report.explain()
+
+
+def test_naming_the_holder_never_breaks_the_check(monkeypatch, collect_after):
+    monkeypatch.setattr(checks, "_walk", lambda *a, **k: 1 / 0)
+    keeper = Keeper(leak=("kept",))
+    report = run_flat_check(keeper.step, iterations=3, holder=keeper, holder_name="keeper")
+    assert not report.ok and report.held is None and report.error is None
+    assert "did not return to its baseline" in report.explain()
+
+
+def test_bytes_held_by_a_closure_on_the_holder_are_found_through_its_variable(collect_after):
+    class Trainer:
+        def __init__(self):
+            outputs = []
+            self.on_step = lambda output: outputs.append(output)    # a callback that keeps every output
+
+        def step(self, i):
+            self.on_step(torch.zeros(32) + i)
+
+    trainer = Trainer()
+    report = run_flat_check(trainer.step, iterations=3, warmup=1, holder=trainer, holder_name="trainer")
+    [holding] = report.held.holdings
+    assert holding.path == "trainer.on_step" and holding.grew == 3 * 128
+    assert holding.example == ("trainer.on_step (closure variable 'outputs'), a list of 4, whose [1] is a "
+                               "float32[32] tensor: 384 B")
+
+
+def test_only_storages_on_the_meters_device_count():
+    from gclab.checks import HeldBytes
+
+    kept = {"losses": []}
+    on_cpu, on_gpu = HeldBytes(kept, name="kept", device="cpu"), HeldBytes(kept, name="kept", device="cuda:0")
+    kept["losses"].append(torch.zeros(8))                          # host memory: not what a GPU meter counts
+    assert [(h.path, h.grew) for h in on_cpu.report().holdings] == [("kept['losses']", 32)]
+    assert on_gpu.report().holdings == []
+    on_cpu.close()
+    on_gpu.close()

@@ -203,11 +203,15 @@ def test_automatic_collections_are_watched_too():
     assert all(r.labels == [".other", ".other"] for r in found)
 
 
-def test_prints_that_it_slows_collections(capsys):
+def test_says_once_that_it_slows_collections(capsys, monkeypatch):
+    monkeypatch.setattr(cycles, "_told", set())      # as in a fresh process
     with cycles.watch_tensor_cycles():
         pass
     out, err = capsys.readouterr()
     assert "slower" in out and err == ""
+    with cycles.watch_tensor_cycles():
+        pass
+    assert capsys.readouterr() == ("", ""), "the notice is printed by the first detector only"
 
 
 def test_a_reported_cycle_is_drawn_offline(monkeypatch, capsys):

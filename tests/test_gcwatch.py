@@ -4,9 +4,12 @@ from __future__ import annotations
 import gc
 import itertools
 
+import sys
+
 import pytest
 
-from gclab.gcwatch import Collection, GCWatch, gc_disabled
+from gclab.gcwatch import (Collection, GCWatch, collector_design, gc_disabled, generation_size,
+                           oldest_generation)
 
 
 class Node:
@@ -192,3 +195,128 @@ def test_gc_disabled_restores_the_state_when_the_block_raises():
             raise KeyError("x")
     assert gc.isenabled()
 
+
+
+# -- survivors, the quarter rule, the collector's design -------------------------------------
+def test_survivors_count_what_each_collection_moved_up():
+    with gc_disabled():
+        gc.collect()
+        kept = [[] for _ in range(50)]          # alive: survive
+        make_cycles(20)                        # garbage: 40 objects found unreachable
+        with GCWatch(count_survivors=True) as watch:
+            gc.collect(0)
+    (collection,) = watch.collections
+    assert collection.collected >= 40
+    assert watch.survivors[0] >= len(kept) + 1   # the lists and the list holding them
+    assert len(watch.survivors) == len(watch.collections)
+
+
+def test_survivors_are_only_counted_when_asked():
+    with gc_disabled():
+        with GCWatch() as watch:
+            gc.collect(0)
+    assert watch.survivors == []
+    with pytest.raises(ValueError, match="count_survivors"):
+        watch.survived_into_oldest()
+
+
+def test_survived_into_oldest_adds_the_generation_1_survivors_since_the_last_full_collection():
+    watch = GCWatch(count_survivors=True)
+    watch.collections.extend([Collection(1, 0.0, 0.001, 0, 0), Collection(2, 1.0, 0.001, 0, 0),
+                              Collection(0, 2.0, 0.001, 0, 0), Collection(1, 3.0, 0.001, 0, 0),
+                              Collection(1, 4.0, 0.001, 0, 0)])
+    watch.survivors.extend([100, 5000, 7, 30, 12])
+    assert watch.survived_into_oldest() == 42    # after the full one, gen 0's survivors went to gen 1
+
+
+class Pair:
+    def __init__(self):
+        self.other = None
+
+
+def _leaky_steps(n):
+    """Each step links a pair into a cycle, then allocates while it is in use (as lesson 03's step does);
+    the previous pair stays bound to `a` and `b` until the next one is made, so a collection may see two."""
+    for _ in range(n):
+        a, b = Pair(), Pair()
+        a.other, b.other = b, a
+        scratch = [[] for _ in range(8)]       # the step's work: objects alive while the pair is in use
+        del scratch
+
+
+def _steps_for(older_collections):
+    """Enough steps for `older_collections` generation-1 collections (counted, not guessed: what a
+    step leaves for the collector differs between versions)."""
+    with gc_disabled():
+        gc.collect()
+        _leaky_steps(100)
+        per_step = gc.get_count()[0] / 100
+    gc.collect()
+    threshold0, threshold1, _ = gc.get_threshold()
+    return int(1.3 * older_collections * (threshold1 + 1) * threshold0 / per_step)
+
+
+def _pairs_in(generation):
+    return sum(type(o) is Pair for o in gc.get_objects(generation=generation)) // 2
+
+
+@pytest.mark.skipif(not collector_design().quarter_rule, reason="needs CPython's generational collector")
+def test_pairs_in_use_during_generation_1_collections_are_stranded_in_the_oldest_generation():
+    """The ratchet, on the running interpreter: a large long-lived heap, generation-1 collections
+    past the oldest generation's threshold, and no full collection; one pair stranded per collection."""
+    gc.enable()
+    steps = _steps_for(gc.get_threshold()[2] + 2)
+    long_lived = [[i] for i in range(150_000)]  # a large heap, moved to the oldest generation by the next line
+    gc.collect()
+    threshold2 = gc.get_threshold()[2]
+    with GCWatch(count_survivors=True) as watch:
+        _leaky_steps(steps)
+    older = watch.count(1)
+    assert older > threshold2, "the count rule alone would have run a full collection"
+    assert watch.count(2) == 0
+    assert watch.survived_into_oldest() < generation_size(2) / 4
+    assert _pairs_in(2) >= older - 1, f"{_pairs_in(2)} pairs stranded after {older} generation-1 collections"
+    gc.collect()
+    assert _pairs_in(2) == 0, "a full collection frees them all"
+    del long_lived
+
+
+@pytest.mark.skipif(not collector_design().quarter_rule, reason="needs CPython's generational collector")
+def test_with_a_small_oldest_generation_a_full_collection_comes_and_frees_them():
+    gc.enable()
+    steps = _steps_for(gc.get_threshold()[2] + 2)
+    gc.collect()
+    gc.freeze()                                # the oldest generation: nearly empty
+    try:
+        gc.collect()
+        with GCWatch(count_survivors=True) as watch:
+            _leaky_steps(steps)
+        assert watch.count(2) >= 1
+        last_full = max(i for i, c in enumerate(watch.collections) if c.generation == 2)
+        since = sum(c.generation == 1 for c in watch.collections[last_full:])
+        assert watch.count(1) > since + 1
+        assert _pairs_in(2) <= 2 * (since + 1), "the full collection freed the pairs stranded before it"
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
+def test_collector_design_by_version():
+    assert collector_design((3, 11, 7), "cpython", True).design == "generational"
+    assert collector_design((3, 13, 0), "cpython", True).quarter_rule
+    assert collector_design((3, 14, 2), "cpython", True).design == "incremental"
+    assert not collector_design((3, 14, 2), "cpython", True).quarter_rule
+    assert collector_design((3, 14, 5), "cpython", True).design == "generational"
+    assert collector_design((3, 13, 1), "cpython", False).design == "free-threaded"
+    assert collector_design((3, 10, 0), "pypy", True).design == "other"
+    here = collector_design()
+    assert here.version == ".".join(map(str, sys.version_info[:3]))
+    assert here.thresholds == gc.get_threshold()
+    assert str(gc.get_threshold()[0]) in here.describe()
+
+
+def test_generation_sizes():
+    assert oldest_generation() == 2
+    gc.collect()
+    assert generation_size(2) > 1000
+    assert generation_size(0) < gc.get_threshold()[0] + 50

@@ -112,21 +112,27 @@ def measure_release(make_tensor, device=DEVICE):
 '''
 VERDICTS_RIGHT = '''
 def verdicts(readings):
-    return {"freed_only_by_empty_cache": readings["after_del_and_empty_cache"] < readings["after_del"],
+    def waits(f):
+        return f["after_del"] >= f["alive_after_empty_cache"] and f["after_del_and_empty_cache"] < f["after_del"]
+    return {"allocated_until_empty_cache": waits(readings),
+            "reserved_until_empty_cache": waits(readings["reserved"]),
             "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
 '''
 VERDICTS_SEED = '''
 def verdicts(readings):
-    return {"freed_only_by_empty_cache": True,
+    return {"allocated_until_empty_cache": True, "reserved_until_empty_cache": True,
             "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
 '''
 VERDICTS_LITERAL = '''
-def verdicts(readings):
-    return {"freed_only_by_empty_cache": False, "empty_cache_spares_live_tensors": True}
+def verdicts(readings):     # what a GPU shows, written down instead of measured
+    return {"allocated_until_empty_cache": False, "reserved_until_empty_cache": True,
+            "empty_cache_spares_live_tensors": True}
 '''
 VERDICTS_HELD_AFTER_DEL = '''
 def verdicts(readings):
-    return {"freed_only_by_empty_cache": readings["after_del"] > 0,
+    r = readings["reserved"]
+    return {"allocated_until_empty_cache": readings["after_del"] > 0,
+            "reserved_until_empty_cache": r["after_del"] > 0,
             "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
 '''
 
@@ -145,9 +151,26 @@ MEASURE_NO_EMPTY_CACHE = MEASURE_RIGHT.replace("torch.cuda.empty_cache()", "pass
 MEASURE_RESERVED_ABSOLUTE = MEASURE_RIGHT.replace("start = meter.reserved()", "start = 0")
 VERDICTS_FROM_RESERVED = '''
 def verdicts(readings):
-    r = readings["reserved"]                      # what nvidia-smi shows
-    return {"freed_only_by_empty_cache": r["after_del_and_empty_cache"] < r["after_del"],
+    r = readings["reserved"]                      # what nvidia-smi shows, for every claim
+    waits = r["after_del"] >= r["alive_after_empty_cache"] and r["after_del_and_empty_cache"] < r["after_del"]
+    return {"allocated_until_empty_cache": waits, "reserved_until_empty_cache": waits,
             "empty_cache_spares_live_tensors": r["alive_after_empty_cache"] == r["alive"]}
+'''
+# The lesson's verdict before issue 13: both halves of claim 1 judged from allocated memory, which
+# empty_cache() never changes, so the reserved half could never come out true on a GPU.
+VERDICTS_FROM_ALLOCATED = '''
+def verdicts(readings):
+    waits = readings["after_del_and_empty_cache"] < readings["after_del"]
+    return {"allocated_until_empty_cache": waits, "reserved_until_empty_cache": waits,
+            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
+'''
+# Looks only at the fall at empty_cache(): a figure that already fell at `del` did not wait for it.
+VERDICTS_FALL_ONLY = '''
+def verdicts(readings):
+    r = readings["reserved"]
+    return {"allocated_until_empty_cache": readings["after_del_and_empty_cache"] < readings["after_del"],
+            "reserved_until_empty_cache": r["after_del_and_empty_cache"] < r["after_del"],
+            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] == readings["alive"]}
 '''
 
 # -- correct answers written differently from the solution: full marks -----------------------
@@ -225,18 +248,22 @@ def measure_release(make_tensor, device=DEVICE):
 '''
 VERDICTS_EXPLICIT = '''
 def verdicts(readings):
-    held_after_del = readings["after_del"] > 0
-    released_by_empty_cache = readings["after_del_and_empty_cache"] < readings["after_del"]
-    return {"freed_only_by_empty_cache": held_after_del and released_by_empty_cache,
-            "empty_cache_spares_live_tensors": readings["alive"] - readings["alive_after_empty_cache"] == 0}
+    out = {"empty_cache_spares_live_tensors": readings["alive"] - readings["alive_after_empty_cache"] == 0}
+    for claim, figure in (("allocated_until_empty_cache", readings),
+                          ("reserved_until_empty_cache", readings["reserved"])):
+        kept_through_del = figure["after_del"] - figure["alive_after_empty_cache"] >= 0
+        released_by_empty_cache = figure["after_del"] - figure["after_del_and_empty_cache"] > 0
+        out[claim] = kept_through_del and released_by_empty_cache
+    return out
 '''
 VERDICTS_WITH_BOTH_FIGURES = '''
 def verdicts(readings):
-    r = readings["reserved"]
-    # reserved falling at empty_cache() is the cache going back to the driver; the claims are about allocated
-    cache_only = r["after_del_and_empty_cache"] < r["after_del"] and readings["after_del"] == readings["after_del_and_empty_cache"]
-    return {"freed_only_by_empty_cache": not cache_only and readings["after_del"] > readings["after_del_and_empty_cache"],
-            "empty_cache_spares_live_tensors": readings["alive_after_empty_cache"] >= readings["alive"]}
+    a, r = readings, readings["reserved"]
+    fell_at_del = [f["after_del"] < f["alive_after_empty_cache"] for f in (a, r)]
+    fell_at_empty_cache = [f["after_del_and_empty_cache"] < f["after_del"] for f in (a, r)]
+    allocated, reserved = [not d and e for d, e in zip(fell_at_del, fell_at_empty_cache)]
+    return dict(allocated_until_empty_cache=allocated, reserved_until_empty_cache=reserved,
+                empty_cache_spares_live_tensors=a["alive_after_empty_cache"] >= a["alive"])
 '''
 
 # Each submission fills both answer cells: one plausible wrong answer per exercise, or two.
@@ -252,6 +279,8 @@ SUBMISSIONS = {
         STORAGE_BY_BASE + ACCOUNT_RESERVED_AS_ALLOCATED, MEASURE_NO_EMPTY_CACHE + VERDICTS_FROM_RESERVED),
     "before_hard_wired_to_zero_reserved_not_minus_start": (
         STORAGE_RIGHT + ACCOUNT_BEFORE_ZERO, MEASURE_RESERVED_ABSOLUTE + VERDICTS_RIGHT),
+    "verdict_from_allocated_only": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_FROM_ALLOCATED),
+    "verdict_from_the_fall_at_empty_cache_only": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_FALL_ONLY),
 }
 
 # Right answers written differently from the solution: each must earn full marks.
@@ -288,6 +317,9 @@ WRONG_ANSWERS = {
     "before hard-wired to 0": ("before_hard_wired_to_zero_reserved_not_minus_start", "test_account"),
     "reserved readings not taken from the meter's start": (
         "before_hard_wired_to_zero_reserved_not_minus_start", "test_release_readings"),
+    "reserved half of the claim judged from allocated memory": ("verdict_from_allocated_only", "test_claim_verdicts"),
+    "a figure that fell at del counted as waiting for empty_cache()": (
+        "verdict_from_the_fall_at_empty_cache_only", "test_claim_verdicts"),
 }
 
 # Right answers inside a wrong submission still earn their points.
@@ -298,6 +330,8 @@ EARNED = {
     "tensor_addresses_and_no_peak": {"test_release_readings"},
     "dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved": set(),
     "before_hard_wired_to_zero_reserved_not_minus_start": {"test_storage_bytes", "test_claim_verdicts"},
+    "verdict_from_allocated_only": {"test_storage_bytes", "test_account", "test_release_readings"},
+    "verdict_from_the_fall_at_empty_cache_only": {"test_storage_bytes", "test_account", "test_release_readings"},
 }
 
 
@@ -316,7 +350,10 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     assert "sum of numel x element_size: 26.00 MiB; the meter: 4.00 MiB" in text
     assert "the 4 KiB row keeps 4.00 MiB alive" in text
     assert "`del a; del b` freed 2.00 MiB of allocated memory at once" in text
-    assert "after `del c`: 0 B held; collections during all this: 0" in text
+    assert re.search(r"del c +0 B +0 B\n", text), "claim 1: allocated and reserved read 0 after `del c` on CPU"
+    assert "collections during all this: 0" in text
+    assert ("The seed's claim 1, measured on cpu: false of allocated memory (freed at `del`); false of reserved "
+            "memory too: the CPU meter has no cache. On a GPU the reserved half holds.") in text
     assert re.search(r"10 losses kept as floats \(\.item\(\)\) hold 0 B", text)
     assert "this measures a no-op" in text, "on CPU the empty_cache() timing must say it times a no-op"
     assert plots_drawn(executed), "the lesson should draw its plot"
@@ -370,5 +407,9 @@ def test_wrong_answers_are_told_by_how_much(graded):
     assert "did not drop at the last empty_cache()" in no_empty, no_empty
     from_reserved = cell_result(held_out, "test_claim_verdicts").message
     assert "follow the reserved figures" in from_reserved, from_reserved
+    from_allocated = cell_result(graded["verdict_from_allocated_only"], "test_claim_verdicts").message
+    assert "reserved verdict follows the allocated figures" in from_allocated, from_allocated
+    fall_only = cell_result(graded["verdict_from_the_fall_at_empty_cache_only"], "test_claim_verdicts").message
+    assert "already fell at `del`" in fall_only, fall_only
     zero = cell_result(graded["before_hard_wired_to_zero_reserved_not_minus_start"], "test_account").message
     assert "before is 0 B, expected 3.00 MiB" in zero, zero

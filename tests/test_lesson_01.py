@@ -155,7 +155,12 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     assert re.search(r"box\.clear\(\)\s+0 B", text), "the tensor should be freed when the list lets go"
     assert re.search(r"del y\s+1\.00 MiB", text), "del of a name should not free a tensor the list holds"
     assert re.search(r"Out\[\d+\]", text), "the output cache should be named as a holder"
-    assert "saved.__traceback__.tb_next.tb_frame" in text, "the saved exception's path should be shown"
+    assert "saved.__traceback__.tb_next.tb_frame.f_locals['activations']" in text, (
+        "the saved exception's path should name the local variable, as the failed cell's does")
+    assert re.search(r"sys\.last_traceback(\.tb_next)+\.tb_frame\.f_locals\['activations'\]", text)
+    assert "(a local variable)" not in text
+    assert re.search(r"%reset -f out \+ the hidden _ +after del: +2\.00 MiB +after the fix: +0 B", text), (
+        "the summary should record the output cache once IPython's hidden copy of _ is gone too")
     assert "after `saved.__traceback__ = None`: 0 B held" in text
     assert "now held: 0 B; collections: 0" in text, "forget_last_error should free the failed call's tensor"
     assert "rescale.__closure__[0].cell_contents" in text and "remember.__defaults__[0][0]" in text

@@ -168,7 +168,44 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     assert "after gc.garbage.clear(): 640.00 KiB; after one more gc.collect(): 0 B" in text
     assert cycles.dot_available() or "apt-get install graphviz" in text, "without dot, say how to install it"
     assert "memory was back at its baseline after each of 20 iterations" in text
-    assert plots_drawn(executed) >= 3, "the generations plot, the freeze bars and the object graph"
+    assert "Collection(" not in text, "a collection is described in words, not as a raw repr"
+    assert re.search(r"the first one: generation 0, [\d.]+ ms, \d+ unreachable objects found", text)
+    assert re.search(r"a full collection took [\d.]+ µs \([\d,]+ times less\)", text), "freeze: µs, not 0.00 ms"
+    assert "after 50 cyclic pairs were dropped:\n    (no class of this notebook grew)" in text, "objgraph collects first"
+    assert re.search(r"after 50 pairs were kept in a list:\nHolder +100 +\+100", text), "objgraph.show_growth"
+    assert "a kept Holder, reached from a module: module -> dict -> list -> Holder" in text
+    assert "a dropped Holder in a cycle: a chain of 1 object (Holder)" in text
+    assert plots_drawn(executed) >= 4, "the generations plot, the threshold explorer, the freeze bars, the object graph"
+
+
+def test_the_threshold_explorer_redraws_for_the_threshold_it_is_moved_to():
+    """Section 2's slider, driven through the widget's Python API as a learner's hand would."""
+    import gc
+    import time
+    from collections import Counter
+
+    import nbformat
+    import numpy as np
+
+    from gclab.gcwatch import GCWatch
+    from gclab.plots import GENERATION_COLOURS
+
+    source = next(c.source for c in nbformat.read(SOLUTION, 4).cells if c.get("id") == "threshold-explorer")
+    shown, thresholds = [], gc.get_threshold()
+    namespace = {"gc": gc, "time": time, "np": np, "Counter": Counter, "GCWatch": GCWatch,
+                 "GENERATION_COLOURS": GENERATION_COLOURS, "t0": thresholds[0], "display": shown.append}
+    exec(compile(source, "threshold-explorer", "exec"), namespace)
+    explorer = namespace["explorer"]
+    assert shown == [explorer] and explorer.redraws == 1
+    assert explorer.data["threshold"] == min(max(thresholds[0], 100), 5000)
+    low = explorer.set(threshold=200)
+    high = explorer.set(threshold=4000)
+    assert explorer.redraws == 3
+    assert gc.get_threshold() == thresholds, "drawing must put the interpreter's thresholds back"
+    assert (low["threshold"], high["threshold"]) == (200, 4000)
+    assert low["collections"] > 4 * high["collections"] > 0, (low, high)
+    assert explorer.ax.get_title().startswith(f"threshold 4000: {high['collections']} collections")
+    assert any(list(line.get_ydata()) == [4000, 4000] for line in explorer.ax.get_lines()), "the threshold line"
 
 
 def test_solution_earns_full_marks(graded):

@@ -1,7 +1,9 @@
 """Lesson 03 end to end: the solution runs clean, and grading accepts only a real fix."""
+import gc
 import json
 import re
 
+import nbformat
 import pytest
 
 from lesson_support import (
@@ -10,6 +12,7 @@ from lesson_support import (
 )
 
 from gclab import grading
+from gclab.gcwatch import collector_design
 
 SOLUTION = ROOT / "solutions" / "03_node_leak" / "03_node_leak.ipynb"
 RELEASE = ROOT / "notebooks" / "03_node_leak" / "03_node_leak.ipynb"
@@ -157,9 +160,71 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
     assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
     text = printed_text(executed)
-    assert "Out of memory at step" in text, "the lesson's leak should hit the device budget"
-    assert re.search(r"peak 512\.00 KiB, 0 collections", text), "the fixed step should stay flat with no collection"
-    assert plots_drawn(executed)
+    assert re.search(r"Out of memory at step \d+: .*\nCollections before the error: 0", text), (
+        "the small case: a budget below one tooth runs out before the first collection")
+    assert re.search(r"peak 512\.00 KiB \+ \d+ bytes of sums, 0 collections", text), (
+        "the fixed step should stay flat with no collection")
+    assert plots_drawn(executed) >= 8
+
+
+def _floors(line):
+    return [float(x) for x in re.findall(r"[\d.]+", line.split(": ", 1)[1])]
+
+
+@pytest.mark.skipif(not collector_design().quarter_rule, reason="the ratchet needs CPython's generational collector")
+def test_the_floor_ratchets_up_with_collections_running_and_no_full_collection(executed):
+    """Section 4 on the running Python: more generation-1 collections than the oldest generation's
+    threshold, no full collection, and after each one more pair held than after the one before."""
+    text = printed_text(executed)
+    summary = re.search(r"([\d,]+) steps, \d+ collections \(gen 0: (\d+), gen 1: (\d+)\)", text)
+    assert summary, "the ratchet run prints its collections by generation (and none of generation 2)"
+    older = int(summary.group(3))
+    assert older > gc.get_threshold()[2]
+    floors = _floors(re.search(r"pairs held just after each generation-1 or older collection: \[.*\]", text).group())
+    assert len(floors) == older and floors == [float(k) for k in range(1, older + 1)], floors
+    assert "full collections: 0" in text
+
+
+@pytest.mark.skipif(not collector_design().quarter_rule, reason="the ratchet needs CPython's generational collector")
+def test_the_long_run_runs_out_of_memory_with_collections_behind_it(executed):
+    text = printed_text(executed)
+    oom = re.search(r"Out of memory at step ([\d,]+), after (\d+) collections \(gen 0: (\d+), gen 1: (\d+)\)", text)
+    assert oom, "section 5 runs out of memory after collections of both generations"
+    assert int(oom.group(3)) > 10 and int(oom.group(4)) >= 2
+    stranded = _floors(re.search(r"pairs held just after each generation-1 collection: \[.*\]", text).group())
+    assert stranded == sorted(stranded) and stranded[-1] > stranded[0]
+
+
+@pytest.mark.skipif(not collector_design().quarter_rule, reason="the quarter rule is CPython's generational collector's")
+def test_the_quarter_rule_is_shown_with_the_numbers_of_this_run(executed):
+    text = printed_text(executed)
+    assert "a full collection (the oldest generation) also waits until" in text
+    quarter = re.search(r"which moved ([\d,]+) objects into the oldest generation: ([\d.]+) % of a quarter", text)
+    assert quarter and float(quarter.group(2)) < 100
+    small = re.search(r"empty heap: .*gen 2: 1\).*\n.*pairs held after each gen 1\+ collection: (\[.*\])", text)
+    assert small, "beside an empty heap a full collection runs"
+    floors = _floors(": " + small.group(1))
+    assert floors.index(max(floors)) < len(floors) - 1 and floors[-1] < max(floors), "and the floor drops"
+
+
+def test_the_explorer_redraws_for_the_heap_its_sliders_give(executed):
+    """The widget driven through its Python API (explorer.set) in the lesson: a small heap at a low
+    threshold gets a full collection that clears the floor; a large one does not; the figure
+    stays in the output as a static image."""
+    text = printed_text(executed)
+    lines = re.findall(r"threshold (\d+), +([\d,]+) long-lived objects: (\d+) generation-1 and (\d+) full "
+                       r"collection\(s\); pairs held after each: (\[.*\])", text)
+    assert len(lines) == 2, text
+    (_, small_heap, _, small_full, small_floors), (_, large_heap, large_older, large_full, large_floors) = lines
+    assert small_heap == "0" and large_heap == "150,000"
+    if collector_design().quarter_rule:
+        assert int(small_full) >= 1 and int(large_full) == 0
+        assert _floors(": " + large_floors)[-1] == int(large_older) > max(_floors(": " + small_floors)[-3:])
+    nb = nbformat.read(executed, 4)
+    widget_cell = next(c for c in nb.cells if c.cell_type == "code" and "Explorer(" in c.source)
+    kinds = [sorted(o.get("data", {})) for o in widget_cell.outputs]
+    assert ["application/vnd.jupyter.widget-view+json", "text/plain"] in kinds
+    assert ["image/png", "text/plain"] in kinds
 
 
 def test_solution_earns_full_marks(graded):

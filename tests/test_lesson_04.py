@@ -84,7 +84,11 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     """The solution as the grader ran it (every cell, hidden tests included): no error, no stderr."""
     assert not problems(executed), f"errors or stderr output in the solution notebook: {problems(executed)}"
     text = printed_text(executed)
-    assert re.search(r"out of memory at call \d+, after 0 collections", text), "the leak should hit the budget first"
+    sizes = dict(re.findall(r"([\d.]+ [KM]iB) per call: (collection|out of memory) at call \d+", text))
+    assert sizes["32.00 KiB"] == "collection" and sizes["1.00 MiB"] == "out of memory", sizes
+    assert sizes["256.00 KiB"] == "out of memory", "the lesson's size hits the budget before the first collection"
+    assert "torch.OutOfMemoryError: Simulated CPU budget exceeded" in text
+    assert text.count("Tensor-cycle detector on") == 1, "the detector's notice is printed once"
     assert "--closure cell 'self'--> cell" in text, "the detector should name the closure cell that holds self"
     assert re.search(r"LambdaOverValue:\s+0 B held,\s+0 objects", text)
     assert re.search(r"BoundMethod:\s+12\.50 MiB held", text), "a stored bound method is still a cycle"

@@ -117,7 +117,22 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     assert re.search(r"a +64\.00 MiB tensor: tracemalloc saw \d{2,3} bytes", text)
     assert text.count("(flat from the first step on)") == 5
     assert "output.detach().cpu() shares the output's memory: True" in text
-    assert plots_drawn(executed) >= 4
+    assert re.search(r"val_losses\.append\(val_loss\): out of memory in step \d+, with 6\d\.\d\d MiB of the 64\.00 MiB "
+                     r"budget held after step \d+", text), "the gauge's run ends in an out-of-memory error"
+    assert ("Where the bytes are, after 12 iterations: leaky_trainer.errors (1.13 MiB more, in 2 entries): "
+            "leaky_trainer.errors[0], a FloatingPointError with its traceback, whose __traceback__.tb_frame"
+            ".f_locals['output'] (in train_step()) is a float32[256x32] tensor with grad_fn AddmmBackward0") in text
+    assert "leaky_trainer.history (40 B more, in 10 entries)" in text and "leaky_trainer.last_output" not in text
+    assert plots_drawn(executed) >= 5, "the timelines, the five habits, tracemalloc, the fixes and the gauge"
+
+
+def test_the_gauge_is_a_widget_with_its_figure_for_readers_without_widgets(executed):
+    import nbformat
+    nb = nbformat.read(executed, 4)
+    gauge = next(c for c in nb.cells if c.get("id") == "l05-gauge")
+    kinds = [sorted(o.get("data", {})) for o in gauge.outputs if o.output_type == "display_data"]
+    assert ["application/vnd.jupyter.widget-view+json", "text/plain"] in kinds
+    assert ["image/png", "text/plain"] in kinds
 
 
 def test_solution_earns_full_marks(graded):
@@ -146,7 +161,11 @@ def test_wrong_fixes_are_told_why(graded):
     assert "collector ran" in message("collects_every_step", "test_memory_flat")
     assert "should return the loss as a number" in message("collects_every_step", "test_still_learns")
     assert "did not return to its baseline" in message("del_and_empty_cache", "test_memory_flat")
+    # the self-check names the attribute that holds the bytes, and what in it keeps them
+    assert ("trainer.errors (" in message("del_and_empty_cache", "test_memory_flat")
+            and "a FloatingPointError with its traceback" in message("del_and_empty_cache", "test_memory_flat"))
     assert "did not return to its baseline" in message("keeps_detached_tensors", "test_memory_flat")
+    assert "trainer.history (" in message("keeps_detached_tensors", "test_memory_flat")
     assert "history should hold numbers" in message("keeps_detached_tensors", "test_dashboard")
     assert "history" in message("drops_history_and_metrics", "test_dashboard")
     for test in graded["detaches_before_backward"].tests:      # told, not crashed

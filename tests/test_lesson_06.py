@@ -104,6 +104,23 @@ def test_solution_notebook_runs_clean_on_cpu(executed):
     assert plots_drawn(executed) >= 5, "latency before/after, the timeline, the cost curve, the fixes, the check"
 
 
+def test_the_comparison_of_fixes_is_a_picker_with_its_figure_for_readers_without_widgets(executed):
+    import nbformat
+    nb = nbformat.read(executed, 4)
+    picker = next(c for c in nb.cells if c.cell_type == "code" and "Picker(" in c.source)
+    kinds = [sorted(o.get("data", {})) for o in picker.outputs if o.output_type == "display_data"]
+    assert ["application/vnd.jupyter.widget-view+json", "text/plain"] in kinds
+    assert ["image/png", "text/plain"] in kinds
+    assert "your policy (my_policy.py)" in picker.source
+
+
+def test_the_answer_cell_says_what_to_write():
+    import nbformat
+    nb = nbformat.read(RELEASE, 4)
+    answer = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "answer_policy")
+    assert answer.source.startswith("%%writefile my_policy.py\n# Exercise: the server's GC policy")
+
+
 def test_solution_earns_full_marks(graded):
     assert_full_marks(graded["solution"], 6)
 

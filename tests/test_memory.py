@@ -729,6 +729,20 @@ def test_format_bytes_gives_short_human_strings(n, text):
     assert format_bytes(n) == text
 
 
+def test_the_cpu_meter_has_no_cache_reserved_is_allocated_at_every_moment():
+    readings = []
+    with Meter("cpu") as m:
+        t = torch.ones(256 * 1024)
+        readings.append((m.allocated(), m.reserved()))
+        torch.cuda.empty_cache()                 # no CUDA here: nothing to hand back
+        readings.append((m.allocated(), m.reserved()))
+        del t
+        readings.append((m.allocated(), m.reserved()))
+        torch.cuda.empty_cache()
+        readings.append((m.allocated(), m.reserved()))
+    assert readings == [(MiB, MiB), (MiB, MiB), (0, 0), (0, 0)]
+
+
 def test_describe_device_says_the_cpu_budget_is_simulated():
     text = describe_device("cpu")
     assert "simulated" in text and "CPU" in text

@@ -79,3 +79,81 @@ def test_request_timeline_stacks_overlapping_requests_and_marks_collections():
     assert lanes == [0, 1], "the two requests in flight together get two lanes"
     waiting = [line for line in ax.get_lines() if line.get_alpha() == 0.3]
     assert len(waiting) == 3, "each request waited between its due time and the server's start"
+
+
+def _ratchet_run(stranded_per_stretch=1, stretches=3, steps=4):
+    """A timeline with a known floor: per step one 256 KiB tensor of garbage; a gen 0 collection
+    (explicit) at the end of each stretch frees all but `stranded_per_stretch` of them, and they stay."""
+    from gclab.gcwatch import gc_disabled
+    held, stranded = [], []
+    with gc_disabled(), Meter("cpu") as meter, GCWatch() as watch:
+        for stretch in range(stretches):
+            for _ in range(steps):
+                held.append(torch.zeros(64 * 1024))
+                meter.record()
+            stranded += held[:stranded_per_stretch]
+            held.clear()
+            gc.collect(1)
+    return meter, watch.collections, stranded
+
+
+def test_held_after_collections_reads_the_point_after_each_collection():
+    from gclab.plots import held_after_collections
+    meter, collections, _ = _ratchet_run()
+    held = held_after_collections(meter, collections)
+    assert [g for _, _, g in held] == [1, 1]            # the last collection came after the last point
+    assert [x for x, _, _ in held] == [3.5, 7.5]
+    assert [b / MiB for _, b, _ in held] == [0.5, 0.75]  # 1 stranded + the new step's, then 2 + 1
+
+
+def test_ratchet_plot_has_a_floor_panel_under_the_timeline():
+    from gclab.plots import plot_ratchet
+    meter, collections, _ = _ratchet_run(stranded_per_stretch=2)
+    top, below = plot_ratchet(meter, collections, title="ratchet")
+    assert top.figure is below.figure and len(top.figure.axes) == 2
+    assert below.get_shared_x_axes().joined(top, below)
+    floor = next(line for line in below.get_lines() if line.get_label().startswith("floor"))
+    assert list(floor.get_ydata()) == [0.0, 0.75, 1.25, 1.25]
+    assert "gen 1 collection" in [t.get_text() for t in top.get_legend().get_texts()]
+
+
+def test_a_redrawn_ratchet_figure_keeps_two_panels_and_shows_the_new_values():
+    """As lesson 03's explorer uses it: Explorer clears its Axes and calls plot_ratchet again."""
+    import ipywidgets
+    from gclab.plots import held_after_collections, plot_ratchet
+    from gclab.widgets import Explorer
+
+    def draw(ax, stranded):
+        meter, collections, _ = _ratchet_run(stranded_per_stretch=stranded)
+        _, below = plot_ratchet(meter, collections, ax=ax)
+        return [b for _, b, _ in held_after_collections(meter, collections)], below
+
+    explorer = Explorer(draw, stranded=ipywidgets.IntSlider(value=1, min=0, max=3))
+    floors, below = explorer.data
+    explorer.set(stranded=3)
+    new_floors, new_below = explorer.data
+    assert new_below is below and len(explorer.figure.axes) == 2, "the lower panel is reused, not stacked"
+    assert new_floors != floors and new_floors[-1] > floors[-1]
+    floor = next(line for line in new_below.get_lines() if line.get_label().startswith("floor"))
+    assert max(floor.get_ydata()) == new_floors[-1] / MiB
+
+
+def test_floors_of_several_runs_ring_the_full_collections():
+    from gclab.gcwatch import Collection
+    from gclab.plots import plot_floors
+    meter, collections, _ = _ratchet_run()
+    full = [Collection(2, c.start, c.duration, c.collected, 0) for c in collections]
+    ax = plot_floors({"kept": (meter, collections), "collected": (meter, full)})
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["kept", "collected", "full collection"]
+    rings = [line for line in ax.get_lines() if line.get_label() == "full collection"]
+    assert len(rings) == 1 and len(rings[0].get_xdata()) == 2
+
+
+def test_the_out_of_memory_cross_sits_at_the_budget():
+    with Meter("cpu", budget=MiB) as meter:
+        meter.record()
+        meter.record("OOM")                           # as recorded after an error, once memory was freed
+    ax = plot_timeline(meter)
+    cross = next(line for line in ax.get_lines() if line.get_label() == "out of memory")
+    assert list(cross.get_ydata()) == [1.0]

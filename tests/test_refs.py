@@ -87,6 +87,31 @@ def test_the_search_itself_leaves_no_reference_behind(module):
     assert probe() is None, "the object should be freed by clearing the frames, with no collection"
 
 
+def test_a_frame_local_is_named_the_same_way_whether_or_not_its_locals_were_read(module):
+    # Up to 3.12 a frame keeps a snapshot of its locals once something reads f_locals (IPython's
+    # traceback printer does): the path names the local variable with or without one.
+    # (The frame is reached through the traceback or through a local of the catching frame,
+    # whichever the search meets first: either way the local is named the same.)
+    thing = _save_a_failure(module)
+    frame = module.saved.__traceback__.tb_next.tb_frame
+
+    def names_the_local(paths):
+        return any(p.startswith("refs_demo.saved.__traceback__") and ".f_locals['local_thing']" in p
+                   and "_fail_holding()" in p for p in paths)
+    assert names_the_local(reference_paths(thing))
+    assert frame.f_locals["local_thing"] is thing           # a reader keeps a snapshot (up to 3.12)
+    assert names_the_local(reference_paths(thing))
+    assert frame.f_locals["local_thing"] is thing, "a snapshot that was there must be left as it was"
+
+
+def test_naming_a_local_leaves_no_snapshot_holding_it(module):
+    probe = weakref.ref(_save_a_failure(module))
+    frame = module.saved.__traceback__.tb_next.tb_frame
+    assert any(".f_locals['local_thing']" in p for p in reference_paths(probe()))
+    assert not [d for d in gc.get_referents(frame) if isinstance(d, dict) and "local_thing" in d]
+    del frame
+
+
 def test_an_object_only_the_caller_holds_has_no_path():
     obj = Thing()
     assert reference_paths(obj) == []
