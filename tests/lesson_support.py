@@ -127,6 +127,12 @@ def cell_result(result, test_id):
     return next(t for t in result.tests if t.id == test_id)
 
 
+def assert_told_why(result, test_id, words):
+    """A wrong fix fails `test_id` with a message that holds `words`."""
+    failed = cell_result(result, test_id)
+    assert failed.status == "failed" and words in failed.message, (failed.status, failed.message)
+
+
 def assert_full_marks(result, max_score):
     assert result.max_score == max_score, grading.format_results([result])
     assert result.score == max_score, grading.format_results([result])

@@ -5,7 +5,7 @@ import pytest
 
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result, grade_all,
+    ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, assert_no_marks_until_answered, cell_result, grade_all,
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
@@ -342,9 +342,7 @@ def test_wrong_fix_does_not_earn_full_marks(graded, name):
 
 @pytest.mark.parametrize("name", sorted(TOLD_WHY))
 def test_wrong_fixes_are_told_why(graded, name):
-    test_id, words = TOLD_WHY[name]
-    result = cell_result(graded[name], test_id)
-    assert result.status == "failed" and words in result.message, (result.status, result.message)
+    assert_told_why(graded[name], *TOLD_WHY[name])
 
 
 def test_partial_work_earns_partial_marks(graded):
