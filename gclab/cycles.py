@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import objgraph
 import torch
 
+from .guard import starting_environment
 from .memory import format_bytes
 from .refs import frame_local_names
 
@@ -441,16 +442,22 @@ def _depths(roots, edges, direction) -> dict[str, int]:
 
 
 # -- drawing -------------------------------------------------------------------------
+def _dot() -> str | None:
+    """Graphviz's `dot`, found on PATH as it was before any learner code ran (see guard.starting_environment)."""
+    return shutil.which("dot", path=starting_environment().get("PATH"))
+
+
 def dot_available() -> bool:
-    return shutil.which("dot") is not None
+    return _dot() is not None
 
 
 def render_png(graph: ObjectGraph) -> bytes:
     """The graph rendered by Graphviz's `dot` as PNG bytes."""
-    dot = shutil.which("dot")
+    dot = _dot()
     if dot is None:
         raise FileNotFoundError(DOT_MISSING)
-    done = subprocess.run([dot, "-Tpng"], input=graph.to_dot().encode(), capture_output=True, timeout=60)
+    done = subprocess.run([dot, "-Tpng"], input=graph.to_dot().encode(), capture_output=True, timeout=60,
+                          env=starting_environment())
     if done.returncode != 0:
         raise RuntimeError(f"dot failed: {done.stderr.decode(errors='replace').strip()}")
     return done.stdout

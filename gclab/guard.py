@@ -18,6 +18,15 @@ An event is the learner's when a frame of the learner's code is anywhere on the 
 code from the standard library, installed packages and gclab, and code the grader compiled
 itself (`Guard.trust`), is the grader's.  What was refused is listed by `problems()`, so a
 grade can say why.
+
+The guard's own state is out of the learner's reach too.  `install()` hands its `Guard` to
+its caller alone: gclab.guard keeps no reference to it, its methods are looked up in a class
+made for that one installation (replacing `Guard`'s members changes nothing installed), and
+the audit hook, which CPython lists nowhere, holds the only other reference.  The learner's
+code can reach neither (frames and the collector's object graph are refused), so it cannot
+clear the manifest or the refusals, trust its own code, or change the guard's settings.  What
+it can still do through a module's `__dict__` (rebind a guarded module's names, the guard's
+own included) is not prevented but is listed by `problems()`.
 """
 from __future__ import annotations
 
@@ -27,49 +36,58 @@ import sysconfig
 import threading
 import types
 
-__all__ = ["Guard", "install", "current"]
-
-GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "torch", "torch.cuda", "numpy")
-_FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
+GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "posixpath", "torch", "torch.cuda",
+                   "numpy")
+# frozen: the hook reads them at every event, and a learner could reach a mutable set
+_FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 # library functions that hand frames back to whoever called them
-_FRAME_RETURNING = {("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
+_FRAME_RETURNING = frozenset({("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
                     ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
                     ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
                     ("traceback.py", "_walk_tb_with_full_positions"),
-                    ("base_tasks.py", "_task_get_stack"), ("__init__.py", "<lambda>")}
-_REACHING = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+                    ("base_tasks.py", "_task_get_stack"), ("__init__.py", "<lambda>")})
+_REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
              "sys.settrace", "sys.setprofile", "sys._getframe", "marshal.loads", "marshal.load",
              "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function", "ctypes.addressof",
              "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
              "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
-             "cpython.PyInterpreterState_Clear", "sys._getframemodulename"}
-_PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                   "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"}
-_FILE_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+             "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
+_PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                   "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"})
+_FILE_EVENTS = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
                 "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move",
-                "os.setxattr", "os.removexattr"}
+                "os.setxattr", "os.removexattr"})
+_MODULE_EVENTS = frozenset({"gclab.guard.setattr", "gclab.guard.delattr"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
-_current = None
+__all__ = ["Guard", "install", "starting_environment"]
+
+# The environment as the process was when gclab.guard was first imported: the grader imports
+# its instruments (and this module) before any learner code runs, and the processes gclab
+# starts for the grader (the model server, its load generator, Graphviz) get this one, so a
+# variable the learner's code set (PATH, LD_PRELOAD, PYTHONPATH) does not reach them.
+_STARTING_ENVIRONMENT = tuple(os.environ.items())
 
 
-def current():
-    """The guard installed in this process, or None."""
-    return _current
+def starting_environment() -> dict:
+    return dict(_STARTING_ENVIRONMENT)
 
 
 def install(workdir=None, processes: bool = False, files: bool = True, hidden=()) -> "Guard":
-    """Install the guard (once per process; later calls return the first one).
+    """Install a guard and hand it to the caller, its only holder (keep it where the learner's
+    code cannot reach: a local variable, a closure).  Each call installs another, independent one.
 
     `workdir`: the folder the learner's code may write to (default: the current one);
     `processes`: may the learner's code start processes and send signals;  `files`: refuse
     writes outside `workdir`;  `hidden`: folders the learner's code may not read (the course:
     its solutions and hidden tests), gclab's own package excepted."""
-    global _current
-    if _current is None:
-        _current = Guard(workdir or os.getcwd(), processes, files, hidden)
-        _current._arm()
-    return _current
+    # A class of this installation's own: its members are the ones defined below, whatever
+    # the learner's code does to `Guard` afterwards; nothing but the returned object refers to it.
+    sealed = type(Guard.__name__, (Guard,), {name: member for name, member in vars(Guard).items()
+                                             if name not in ("__dict__", "__weakref__")})
+    guard = sealed(workdir or os.getcwd(), processes, files, hidden)
+    guard._arm()
+    return guard
 
 
 def _library_roots() -> tuple:
@@ -92,6 +110,10 @@ class Guard:
         self._file_trust: dict = {}
         self._busy = threading.local()
         self._modules = self._guarded_modules()
+        self._module_ids = frozenset(id(m) for m in self._modules.values())
+        # bound now: the hook and the manifest's check must not look names up in globals the
+        # learner's code can rebind through a module's __dict__ (that would be listed, not prevented)
+        self._same_tool, self._read, self._realpath, self._fsdecode = _same_tool, _read, os.path.realpath, os.fsdecode
         self._manifest = self._take_manifest()
 
     # -- what the grader's tools are -------------------------------------------------------
@@ -110,8 +132,6 @@ class Guard:
                 if name == "sys" and attr not in ("modules", "audit", "addaudithook", "_getframe", "exit"):
                     continue            # sys holds streams and settings ordinary code changes
                 if name == "os" and attr != "environ" and not callable(value):
-                    continue
-                if name == "gclab.guard" and attr == "_current":
                     continue
                 entries.append((f"{name}.{attr}", lambda ns=namespace, a=attr: ns.get(a, _MISSING), value))
                 if name.startswith("gclab") and getattr(value, "__module__", None) == name:
@@ -150,7 +170,8 @@ class Guard:
         """The grader's tools that are no longer what they were when the guard was installed."""
         self._busy.depth = getattr(self._busy, "depth", 0) + 1
         try:
-            return [what for what, now, was in self._manifest if not _same_tool(what, _read(now), was)]
+            same, read = self._same_tool, self._read
+            return [what for what, now, was in self._manifest if not same(self, what, read(now), was)]
         finally:
             self._busy.depth -= 1
 
@@ -177,7 +198,7 @@ class Guard:
             elif filename.startswith("<") or not filename:
                 known = False
             else:
-                real = os.path.realpath(filename)
+                real = self._realpath(filename)
                 known = real.startswith(self._roots) and not real.startswith(self.workdir)
             self._file_trust[filename] = known
         return known
@@ -214,11 +235,14 @@ class Guard:
                 busy.depth = 0
             if refusal:
                 self.refused.append(refusal)
-                error = PermissionError if (event == "open" or event in _FILE_EVENTS) else RuntimeError
+                error = (AttributeError if event in _MODULE_EVENTS else
+                         PermissionError if (event == "open" or event in _FILE_EVENTS) else RuntimeError)
                 raise error(f"refused while grading: {refusal}")
         sys.addaudithook(hook)
 
     def _judge(self, event, args, frame):
+        if event == "sys.addaudithook":     # another hook, even one a library adds for the learner, sees first-hand
+            return f"{event} (a hook of the learner's own)" if self.learner_on_stack(frame) else None
         if event in _REACHING:
             if self._library_reads_frame(frame) or not self.learner_on_stack(frame):
                 return None
@@ -247,6 +271,20 @@ class Guard:
             return None
         if event == "open" or event in _FILE_EVENTS:
             return self._judge_file(event, args, frame)
+        if event in _MODULE_EVENTS:
+            return self._judge_module_change(event, *args, frame=frame)
+        return None
+
+    def _judge_module_change(self, event, module, name, value=None, frame=None):
+        """A guarded module's attribute replaced or deleted (only an assignment the learner's code
+        itself makes: a library may still wrap its own function, torch._dynamo does)."""
+        if id(module) not in self._module_ids or frame is None or self._grader_frame(frame.f_back):
+            return None
+        namespace = vars(module)
+        if event == "gclab.guard.delattr":
+            return f"deleting {module.__name__}.{name} (one of the grader's tools)" if name in namespace else None
+        if name == "__class__" or (name in namespace and namespace[name] is not value):
+            return f"replacing {module.__name__}.{name} (one of the grader's tools)"
         return None
 
     def _judge_file(self, event, args, frame):
@@ -254,7 +292,7 @@ class Guard:
         if isinstance(path, int) or path is None:
             return None
         try:
-            real = os.path.realpath(os.fsdecode(path))
+            real = self._realpath(self._fsdecode(path))
         except (TypeError, ValueError):
             return None
         inside = (real + os.sep).startswith(self.workdir)
@@ -287,7 +325,7 @@ class Guard:
         return consumer is not None and self._library_reads_frame(consumer)
 
 
-def _same_tool(what: str, now, was) -> bool:
+def _same_tool(guard, what: str, now, was, getattr=getattr, isinstance=isinstance) -> bool:
     """Is `now` still the tool `was`?  Outside gclab, a library may wrap its own function
     (torch._dynamo wraps torch.manual_seed when an optimizer first runs): a wrapper whose
     `__wrapped__` is the original, made by library code, is still the tool."""
@@ -295,10 +333,9 @@ def _same_tool(what: str, now, was) -> bool:
         return True
     if what.startswith("gclab"):
         return False
-    inner = getattr(now, "__wrapped__", None) if not isinstance(now, type(_MISSING)) else None
+    inner = getattr(now, "__wrapped__", None) if not isinstance(now, _Missing) else None
     code = getattr(now, "__code__", None)
-    library = _current is not None and code is not None and _current._library_file(code.co_filename)
-    return inner is was and library
+    return inner is was and code is not None and guard._library_file(code.co_filename)
 
 
 def _read(getter):
@@ -317,34 +354,14 @@ _MISSING = _Missing()
 
 
 class _LockedModule(types.ModuleType):
-    """A guarded module: the learner's code cannot replace or delete its attributes (new
-    ones, such as a submodule imported later, may be added)."""
+    """A guarded module: replacing or deleting one of its attributes raises an audit event that
+    the guard's hook refuses when the learner's code makes the assignment (new attributes, such
+    as a submodule imported later, may be added)."""
 
-    def __setattr__(self, name, value):
-        if _guarded(self) and name in vars(self) and vars(self)[name] is not value and _learner_is_calling():
-            _current.refused.append(f"replacing {self.__name__}.{name}")
-            raise AttributeError(f"{self.__name__}.{name} is one of the grader's tools: it cannot be "
-                                 "replaced while grading")
+    def __setattr__(self, name, value, audit=sys.audit):
+        audit("gclab.guard.setattr", self, name, value)
         super().__setattr__(name, value)
 
-    def __delattr__(self, name):
-        if _guarded(self) and name in vars(self) and _learner_is_calling():
-            _current.refused.append(f"deleting {self.__name__}.{name}")
-            raise AttributeError(f"{self.__name__}.{name} is one of the grader's tools: it cannot be "
-                                 "deleted while grading")
+    def __delattr__(self, name, audit=sys.audit):
+        audit("gclab.guard.delattr", self, name)
         super().__delattr__(name)
-
-
-def _guarded(module) -> bool:
-    return _current is not None and _current._modules.get(module.__name__) is module
-
-
-def _learner_is_calling() -> bool:
-    guard = _current
-    if guard is None:
-        return False
-    guard._busy.depth = getattr(guard._busy, "depth", 0) + 1
-    try:
-        return not guard._grader_frame(sys._getframe(2))     # the assignment itself is the learner's
-    finally:
-        guard._busy.depth -= 1

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .gcwatch import Collection, GCWatch, gc_disabled
+from .guard import starting_environment
 
 __all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "ServedCollection", "measure", "compare", "spread",
            "run_load", "schedule", "InlineRun", "serve_inline", "full_collection_cpu",
@@ -729,6 +730,13 @@ class Trace:
                 and bool(np.any((starts < c.start + c.duration) & (ends > c.start)))]
 
 
+def _python_module(module: str, *args: str) -> list[str]:
+    """The command that runs `module` in a fresh, isolated Python (-I): neither the current folder
+    nor PYTHON* variables reach its sys.path, so a `uvicorn.py` or `gclab/` that the learner's code
+    wrote beside its notebook is never imported in place of the real one."""
+    return [sys.executable, "-I", "-m", module, *args]
+
+
 def _kill(proc):
     if proc.poll() is None:
         proc.kill()
@@ -763,13 +771,14 @@ class ModelServer:
     def launch(self) -> "ModelServer":
         """Start the server process without waiting for it (see wait_ready)."""
         o = self.options
-        cmd = [sys.executable, "-m", "gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
+        cmd = _python_module("gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
                "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"]),
-               "--device-ms", str(o["device_ms"])]
+               "--device-ms", str(o["device_ms"]))
         cmd += ["--attribution", o["attribution"]]
         cmd += ["--policy", o["policy"]] if o["policy"] else []
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=starting_environment())
         self._finalizer = weakref.finalize(self, _kill, self.proc)
         return self
 
@@ -836,9 +845,9 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
     for their answers; requests still unanswered `timeout` seconds after the start count as failed."""
     count = max(1, int(rate * duration))
     timeout = timeout or duration + 5
-    cmd = [sys.executable, "-m", "gclab.serving", "load", url, "--rate", str(rate), "--count", str(count),
-           "--seed", str(seed), "--timeout", str(timeout)] + (["--poisson"] if poisson else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
+    cmd = _python_module("gclab.serving", "load", url, "--rate", str(rate), "--count", str(count),
+                         "--seed", str(seed), "--timeout", str(timeout)) + (["--poisson"] if poisson else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=starting_environment())
     if done.returncode != 0:
         raise RuntimeError("the load generator failed: " + done.stderr.strip()[-800:])
     rows = json.loads(done.stdout)

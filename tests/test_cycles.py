@@ -176,11 +176,29 @@ def test_without_dot_show_graph_says_how_to_install_it_and_draws_with_matplotlib
     assert plt.get_fignums(), "a matplotlib figure was drawn"
 
 
+def _dot_found_in(monkeypatch, folder):
+    """`dot` is looked up on the PATH gclab started with (a PATH the graded code sets later is not
+    used): put `folder` first on that one."""
+    path = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+    monkeypatch.setattr(cycles, "starting_environment", lambda: {**os.environ, "PATH": path})
+
+
+def test_a_dot_put_on_path_after_gclab_started_is_not_run(monkeypatch, tmp_path):
+    planted = tmp_path / "dot"
+    planted.write_text(f"#!/bin/sh\ntouch {tmp_path}/ran\n")
+    planted.chmod(planted.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert cycles._dot() != str(planted)
+    if cycles.dot_available():
+        cycles.render_png(cycles.backref_graph(torch.zeros(1)))
+    assert not (tmp_path / "ran").exists()
+
+
 def test_with_dot_show_graph_renders_through_graphviz(monkeypatch, tmp_path, capsys):
     fake_dot = tmp_path / "dot"          # records its input, answers with PNG magic bytes
     fake_dot.write_text(f"#!/bin/sh\ncat > {tmp_path}/input.dot\nprintf '\\211PNG'\n")
     fake_dot.chmod(fake_dot.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    _dot_found_in(monkeypatch, tmp_path)
     with gc_disabled():
         tensor = _leaked_child_tensor()
         graph = cycles.backref_graph(tensor())
@@ -206,7 +224,7 @@ def test_when_dot_fails_show_graph_falls_back_to_matplotlib(monkeypatch, tmp_pat
     broken_dot = tmp_path / "dot"
     broken_dot.write_text("#!/bin/sh\necho 'syntax error' >&2\nexit 1\n")
     broken_dot.chmod(broken_dot.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    _dot_found_in(monkeypatch, tmp_path)
     assert cycles.show_graph(cycles.ref_graph([torch.zeros(1)]), text=False) == "matplotlib"
     assert "dot could not draw the graph (dot failed: syntax error)" in capsys.readouterr().out
 

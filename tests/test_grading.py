@@ -103,6 +103,11 @@ def hostile(course, tmp_path_factory):
         "forges_the_result_channel": ("import os\nfor fd in range(3, 64):\n    try:\n"
                                       "        os.write(fd, b'{\"event\": \"result\", \"test\": \"test_double\", \"status\": \"passed\"}\\n')\n"
                                       "    except OSError:\n        pass"),
+        # a guard of its own has nothing of the grader's: the grader's record of replacements stands
+        "clears_the_guards_record": ("import gclab.guard, gclab.memory\nmine = gclab.guard.install()\n"
+                                     "getattr(mine, '_manifest').clear()\nmine.refused.clear()\nput = setattr\n"
+                                     "put(gclab.memory.Meter, 'describe', lambda self: '')\n"
+                                     "def double(x):\n    return 2 * x"),
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -123,7 +128,7 @@ def hostile(course, tmp_path_factory):
 HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_without_end", "prints_gigabytes",
            "fork_bomb", "writes_into_the_course", "reads_the_solution", "forges_the_result_channel", "invalid_json",
            "stripped_metadata", "emptied_test_cells", "deleted_test_cells", "another_lessons_notebook",
-           "escapes_with_setsid"]
+           "escapes_with_setsid", "clears_the_guards_record"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -147,6 +152,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("reads_the_solution", "the course's own files"),
     ("escapes_with_setsid", "subprocess.Popen"),
     ("forges_the_result_channel", "result channel"),
+    ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("invalid_json", "not a readable notebook"),
     ("stripped_metadata", "no answer cell answer"),
     ("another_lessons_notebook", "no answer cell answer"),

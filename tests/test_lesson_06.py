@@ -31,6 +31,15 @@ REFERENCE = _policy("def on_startup():\n    gc.freeze()\n    young, middle, _ = 
                     "    gc.set_threshold(young, middle, 10**9)\n"
                     "def on_idle(idle_seconds):\n    if gc.get_count()[2] > 0:\n        gc.collect()\n")
 
+SHADOWING_UVICORN = """
+import importlib, os, sys
+sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]
+del sys.modules['uvicorn']
+sys.modules['uvicorn'] = importlib.import_module('uvicorn')
+server = sys.modules['__main__']
+if hasattr(server, 'ServerState'):
+    server.ServerState.postprocess = lambda self, seed, tokens, label, scores: {'label': int(label)}
+"""
 # Plausible wrong policies: none may earn the points, each is told why.
 WRONG = {
     "default_collector": _policy(""),
@@ -51,6 +60,11 @@ WRONG = {
         "    server.ServerState.garbage = lambda self: {'explanations_alive': 0, 'cached': 0,\n"
         "                                               'uncollected': 0, 'peak_uncollected': 0}\n"
         "    gc.disable()\n"),
+    # the server imports uvicorn once it has started: a uvicorn.py beside the notebook that
+    # deletes the feature (no per-token objects) would let the default collector pass
+    "cheat_shadows_the_servers_imports": {"answer_policy": (
+        f"open('uvicorn.py', 'w').write({SHADOWING_UVICORN!r})\n"
+        "open('my_policy.py', 'w').write('import gc\\n')\n")},
 }
 # Correct policies written differently from the reference: each earns full marks.
 CORRECT = {
@@ -154,6 +168,7 @@ def test_wrong_policies_are_told_what_failed(graded):
     assert "over the bound" in message("thresholds_so_high_nothing_is_collected")
     assert "collecting only once the load is over" in message("collect_only_when_the_load_is_over")
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
+    assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
     # refused before it runs (the grader reads the policy's source), or caught by the server
     unhooks = message("unhooks_the_recording")
     assert "modifies the grader's tools" in unhooks or (

@@ -521,3 +521,15 @@ def test_a_run_over_its_pause_budget_stops_once_the_p99_cannot_be_met():
     assert run.stopped_early and len(run.requests) == 300 // 100 + 2
     assert run.pause_p99() > 1e-9 and "stopped early" in run.summary()
     assert not serve_inline(_cycles, list(range(50)), pause_budget=10.0).stopped_early
+
+
+def test_modules_and_variables_the_learner_left_behind_do_not_reach_the_server(tmp_path, monkeypatch):
+    """The server and its load generator start isolated (-I) with the environment gclab started
+    with: a `uvicorn.py` in the current folder, or PYTHONPATH set afterwards, is not imported."""
+    (tmp_path / "uvicorn.py").write_text("raise SystemExit('the learner\\'s uvicorn.py was imported')\n")
+    (tmp_path / "sitecustomize.py").write_text("raise SystemExit('the learner\\'s sitecustomize.py was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with ModelServer(heap_objects=1000, cache_size=10) as server:
+        load = run_load(server.url, rate=50, duration=0.2)
+    assert load.failed == 0 and len(load.status) == 10
