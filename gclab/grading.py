@@ -410,46 +410,21 @@ def _write_job(pipe, job_bytes: bytes) -> None:
 
 
 class _Forked:
-    """A verdict process forked from the zygote server (gclab.zygote), which has imported
-    the instruments once: about 2 s saved per submission."""
+    """A verdict process forked from the grader's zygote server (gclab.zygote), which has
+    imported the instruments once: about 2 s saved per submission."""
 
-    def __init__(self, zygote: "_Zygote", job_bytes: bytes, channel: int, memory_limit):
+    def __init__(self, zygote, job_bytes: bytes, channel: int, memory_limit):
         job_read, job_write = os.pipe()
         try:
-            self.pid = zygote.fork({"memory_limit": memory_limit}, [job_read, channel])
+            self.pid, pidfd = zygote.fork({"memory_limit": memory_limit}, [job_read, channel])
         finally:
             os.close(job_read)
+        if pidfd is not None:
+            os.close(pidfd)           # the session is what is killed (see end)
         _write_job(os.fdopen(job_write, "wb"), job_bytes)
 
     def end(self) -> None:
         _kill_session(self.pid)       # the zygote reaps it
-
-
-class _Zygote:
-    """The grader's zygote server, started on first use; None where it cannot run."""
-
-    def __init__(self):
-        import socket
-        import threading
-        self.lock = threading.Lock()
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "gclab.zygote", str(theirs.fileno())],
-                                     env=dict(os.environ, **_job_environment()), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     pass_fds=(theirs.fileno(),), start_new_session=True)
-        theirs.close()
-
-    def fork(self, request: dict, fds: list) -> int:
-        import socket
-        with self.lock:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            reply = self.sock.recv(4096)
-        if not reply:
-            raise OSError("the zygote server ended")
-        return int(json.loads(reply)["pid"])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
 
 _ZYGOTE: list = []
@@ -458,12 +433,12 @@ _ZYGOTE_LOCK = threading.Lock()
 
 def _zygote():
     """The zygote server of this grader, or None when GCLAB_GRADE_FORK=0 or there is none."""
-    import socket
-    if os.environ.get("GCLAB_GRADE_FORK") == "0" or not hasattr(socket, "send_fds"):
+    from . import zygote
+    if os.environ.get("GCLAB_GRADE_FORK") == "0" or not zygote.available():
         return None
     with _ZYGOTE_LOCK:
         if not _ZYGOTE or not _ZYGOTE[0].alive():
-            _ZYGOTE[:] = [_Zygote()]
+            _ZYGOTE[:] = [zygote.Zygote("gclab.verdict", env=dict(os.environ, **_job_environment()))]
         return _ZYGOTE[0]
 
 

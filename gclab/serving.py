@@ -53,7 +53,7 @@ from .guard import starting_environment
 
 __all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "ServedCollection", "measure", "compare", "spread",
            "run_load", "schedule", "InlineRun", "serve_inline", "full_collection_cpu",
-           "long_lived_heap"]
+           "long_lived_heap", "prestart"]
 
 READY = "gclab-serving ready on port"
 HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
@@ -86,6 +86,10 @@ def long_lived_heap(objects: int) -> dict:
     """Model metadata of about `objects` tracked containers that live as long as the server."""
     entries = max(1, objects // 2)
     return {"vocabulary": {f"tok{i}": [i, [i % 97, i % 89]] for i in range(entries)}}
+
+
+HEAP_OBJECTS = 300_000          # a server's long-lived heap, unless told otherwise
+_PREBUILT_HEAPS: dict = {}      # in a zygote: built once, each forked server gets its own copy (see preload)
 
 
 class Model:
@@ -512,7 +516,8 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     torch.set_num_threads(1)
     model = Model(torch.device(device))
     hooks = {name: (lambda *args: None) for name in HOOKS}
-    state = ServerState(model, long_lived_heap(heap_objects), ResponseCache(cache_size), hooks, attribution)
+    heap = _PREBUILT_HEAPS.pop(heap_objects, None) or long_lived_heap(heap_objects)
+    state = ServerState(model, heap, ResponseCache(cache_size), hooks, attribution)
     for seed in range(50):                  # warm-up: first calls into torch allocate for good
         state.answer(seed)
     state.cache.entries.clear()
@@ -737,6 +742,126 @@ def _python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-I", "-m", module, *args]
 
 
+# -- starting servers and loads: forked from a zygote that imported torch and uvicorn once --
+def preload() -> None:
+    """What a server and a load generator import, and the usual long-lived heap, built once
+    (gclab.zygote forks them after this: half a second of CPU saved per server)."""
+    import starlette.applications  # noqa: F401
+    import starlette.responses  # noqa: F401
+    import starlette.routing  # noqa: F401
+    import torch  # noqa: F401
+    import uvicorn  # noqa: F401
+    import uvicorn.lifespan.off  # noqa: F401
+    import uvicorn.loops.asyncio  # noqa: F401
+    import uvicorn.protocols.http.h11_impl  # noqa: F401
+    _PREBUILT_HEAPS[HEAP_OBJECTS] = long_lived_heap(HEAP_OBJECTS)
+
+
+def forked(request: dict, fds: list) -> None:
+    """In a child of the zygote: run `python -m gclab.serving ARGV...` as if started so (this
+    module is __main__), its stdout and stderr the requester's."""
+    import traceback
+    stdout, stderr = fds
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((null, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.modules["__main__"] = sys.modules[__name__]
+    try:
+        main(request["argv"])
+    except BaseException:              # SystemExit included: the same message a fresh Python prints
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+_ZYGOTE: list = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote():
+    """This process's serving zygote, started on first use; None where there cannot be one
+    (no pidfds: not Linux), or with GCLAB_SERVING_FORK=0 (each server a fresh Python)."""
+    from . import zygote
+    import signal
+    if (os.environ.get("GCLAB_SERVING_FORK") == "0" or not zygote.available()
+            or not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal")):
+        return None
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE or not _ZYGOTE[0].alive():
+            _ZYGOTE[:] = [zygote.Zygote("gclab.serving", env=starting_environment(), new_session=False)]
+        return _ZYGOTE[0]
+
+
+def prestart() -> None:
+    """Start this process's zygote now, in the background (it imports torch and uvicorn, a couple
+    of seconds of CPU), so that the first servers started later do not wait for it."""
+    _zygote()
+
+
+class _ForkedProcess:
+    """A server or load generator forked by the zygote: what ModelServer needs of a Popen,
+    through a pidfd (its exit status went to the zygote, which reaped it)."""
+
+    def __init__(self, pid: int, pidfd: int, stdout):
+        self.pid, self.stdout, self.returncode = pid, stdout, None
+        self._pidfd = pidfd
+        self._closer = weakref.finalize(self, os.close, pidfd)
+
+    def wait(self, timeout: float | None = None):
+        import select
+        if self.returncode is None:
+            if not select.select([self._pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"gclab.serving (pid {self.pid})", timeout)
+            self.returncode = 0
+        return self.returncode
+
+    def poll(self):
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send_signal(self, number: int) -> None:
+        import signal
+        if self.poll() is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, number)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        import signal
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+        self.send_signal(signal.SIGKILL)
+
+
+def _spawn(argv: list[str], stderr):
+    """`python -m gclab.serving ARGV...`, stdout a pipe read as text, stderr the file `stderr`:
+    forked from this process's zygote where there is one, else a fresh isolated Python."""
+    zygote = _zygote()
+    if zygote is not None:
+        # a fork is a new process: the guard's rule on them holds for the learner's code here too
+        sys.audit("subprocess.Popen", sys.executable, argv, None, None)
+        read, write = os.pipe()
+        try:
+            pid, pidfd = zygote.fork({"argv": argv}, [write, stderr.fileno()])
+        except OSError:
+            os.close(read)
+        else:
+            if pidfd is not None:
+                return _ForkedProcess(pid, pidfd, os.fdopen(read, "r"))
+            os.close(read)
+        finally:
+            os.close(write)
+    return subprocess.Popen(_python_module("gclab.serving", *argv), stdout=subprocess.PIPE, stderr=stderr,
+                            text=True, env=starting_environment())
+
+
 def _kill(proc):
     if proc.poll() is None:
         proc.kill()
@@ -746,7 +871,7 @@ def _kill(proc):
 class ModelServer:
     """Start the model server in its own process; always stopped on exit, error or interrupt."""
 
-    def __init__(self, heap_objects: int = 300_000, attribution="objects", policy=None,
+    def __init__(self, heap_objects: int = HEAP_OBJECTS, attribution="objects", policy=None,
                  device=None, cache_size: int = 100, idle_after: float = 0.01, device_ms: float = 5.0,
                  startup_timeout: float = 120):
         from .memory import default_device
@@ -771,14 +896,12 @@ class ModelServer:
     def launch(self) -> "ModelServer":
         """Start the server process without waiting for it (see wait_ready)."""
         o = self.options
-        cmd = _python_module("gclab.serving", "serve", "--heap-objects", str(o["heap_objects"]),
-               "--device", o["device"], "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"]),
-               "--device-ms", str(o["device_ms"]))
-        cmd += ["--attribution", o["attribution"]]
-        cmd += ["--policy", o["policy"]] if o["policy"] else []
+        argv = ["serve", "--heap-objects", str(o["heap_objects"]), "--device", o["device"],
+                "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"]),
+                "--device-ms", str(o["device_ms"]), "--attribution", o["attribution"]]
+        argv += ["--policy", o["policy"]] if o["policy"] else []
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=starting_environment())
+        self.proc = _spawn(argv, self._log)
         self._finalizer = weakref.finalize(self, _kill, self.proc)
         return self
 
@@ -845,12 +968,22 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
     for their answers; requests still unanswered `timeout` seconds after the start count as failed."""
     count = max(1, int(rate * duration))
     timeout = timeout or duration + 5
-    cmd = _python_module("gclab.serving", "load", url, "--rate", str(rate), "--count", str(count),
-                         "--seed", str(seed), "--timeout", str(timeout)) + (["--poisson"] if poisson else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, env=starting_environment())
-    if done.returncode != 0:
-        raise RuntimeError("the load generator failed: " + done.stderr.strip()[-800:])
-    rows = json.loads(done.stdout)
+    argv = ["load", url, "--rate", str(rate), "--count", str(count), "--seed", str(seed),
+            "--timeout", str(timeout)] + (["--poisson"] if poisson else [])
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        proc = _spawn(argv, errors)
+        out: list[str] = []                 # its rows, printed as it exits
+        reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
+        reader.start()
+        reader.join(timeout + 30)
+        _kill(proc)
+        reader.join(5)
+        proc.stdout.close()
+        errors.seek(0)
+        try:
+            rows = json.loads(out[0] if out else "")
+        except ValueError:
+            raise RuntimeError("the load generator failed: " + (errors.read().strip()[-800:] or "no output")) from None
     return LoadResult(*[list(column) for column in zip(*rows)])
 
 
@@ -1037,7 +1170,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gclab.serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("--heap-objects", type=int, default=300_000)
+    s.add_argument("--heap-objects", type=int, default=HEAP_OBJECTS)
     s.add_argument("--attribution", choices=ATTRIBUTION, default="off")
     s.add_argument("--policy")
     s.add_argument("--device", default="cpu")

@@ -51,8 +51,21 @@ def _quiet_and_local(workdir: str) -> None:
 
 
 def preload() -> None:
-    """Import what every verdict needs (see gclab.zygote, which forks verdicts after this)."""
+    """Import what every verdict needs (gclab.zygote forks verdicts after this)."""
     _load_instruments()
+
+
+def forked(request: dict, fds: list) -> None:
+    """In a child of the grader's zygote server: become the verdict process of the job read
+    from the pipe `fds[0]`, reporting on the channel `fds[1]`, in a session of its own and
+    within its resource limits, exactly as a freshly started verdict process does."""
+    os.setsid()
+    from gclab import grading
+    grading.apply_limits(request.get("memory_limit"))
+    job_fd, channel = fds
+    with os.fdopen(job_fd, "rb") as job_file:
+        job = json.loads(job_file.read())
+    run(job, channel)
 
 
 def _load_instruments():

@@ -204,11 +204,11 @@ def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
 
 
 def _verdict_processes() -> list:
-    """Verdict processes still running: started as `gclab.verdict`, or forked from the zygote
-    server (which shows as `gclab.zygote` too, and is the one process allowed to stay)."""
+    """Verdict processes still running: started as `gclab.verdict`, or forked from the grader's
+    zygote server (`gclab.zygote FD gclab.verdict`, the one process allowed to stay)."""
     servers = {z.proc.pid for z in grading._ZYGOTE}
     return [pid for pid in _descendants_of(os.getpid()) if pid not in servers and _running(pid)
-            and any(name in Path(f"/proc/{pid}/cmdline").read_bytes() for name in (b"gclab.verdict", b"gclab.zygote"))]
+            and b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def _descendants_of(parent: int) -> list:

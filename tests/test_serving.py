@@ -533,3 +533,34 @@ def test_modules_and_variables_the_learner_left_behind_do_not_reach_the_server(t
     with ModelServer(heap_objects=1000, cache_size=10) as server:
         load = run_load(server.url, rate=50, duration=0.2)
     assert load.failed == 0 and len(load.status) == 10
+
+
+def test_servers_and_loads_are_forked_from_one_zygote_that_imported_torch_once():
+    from gclab import serving
+    with ModelServer(heap_objects=1000, cache_size=10) as first, ModelServer(heap_objects=1000, cache_size=10) as second:
+        load = run_load(first.url, rate=50, duration=0.2)
+        [zygote] = serving._ZYGOTE
+        parents = {int(open(f"/proc/{s.proc.pid}/stat").read().rsplit(")", 1)[1].split()[1]) for s in (first, second)}
+        assert parents == {zygote.proc.pid}
+    assert load.failed == 0
+    assert first.proc.poll() is not None and second.proc.poll() is not None
+
+
+def test_without_the_zygote_each_server_is_a_fresh_python(monkeypatch):
+    monkeypatch.setenv("GCLAB_SERVING_FORK", "0")
+    with ModelServer(heap_objects=1000, cache_size=10) as server:
+        assert isinstance(server.proc, subprocess.Popen)
+        load = run_load(server.url, rate=50, duration=0.2)
+    assert load.failed == 0 and server.proc.poll() is not None
+
+
+def test_graded_code_cannot_start_a_server_through_the_zygote(tmp_path):
+    """Forking is starting a process: the guard refuses it to the learner's code as it refuses Popen."""
+    code = ("import gclab.memory, gclab.serving\nfrom gclab import guard\n"
+            f"keeper = guard.install({str(tmp_path)!r}, processes=False)\n"
+            "learner = 'import gclab.serving\\ntry:\\n    gclab.serving.ModelServer(heap_objects=1000).start()\\n"
+            "    print(\"started\")\\nexcept RuntimeError as error:\\n    print(error)\\n'\n"
+            f"exec(compile(learner, {str(tmp_path / 'answer.py')!r}, 'exec'), {{}})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))       # as in a verdict process
+    assert "refused while grading: subprocess.Popen" in done.stdout, done.stdout + done.stderr
