@@ -36,31 +36,31 @@ import sysconfig
 import threading
 import types
 
+__all__ = ["Guard", "install", "starting_environment"]
+
 GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "posixpath", "torch", "torch.cuda",
                    "numpy")
 # frozen: the hook reads them at every event, and a learner could reach a mutable set
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 # library functions that hand frames back to whoever called them
 _FRAME_RETURNING = frozenset({("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
-                    ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
-                    ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
-                    ("traceback.py", "_walk_tb_with_full_positions"),
-                    ("base_tasks.py", "_task_get_stack"), ("__init__.py", "<lambda>")})
+                              ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
+                              ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
+                              ("traceback.py", "_walk_tb_with_full_positions"),
+                              ("base_tasks.py", "_task_get_stack"), ("__init__.py", "<lambda>")})
 _REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-             "sys.settrace", "sys.setprofile", "sys._getframe", "marshal.loads", "marshal.load",
-             "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function", "ctypes.addressof",
-             "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
-             "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
-             "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
+                       "sys.settrace", "sys.setprofile", "sys._getframe", "marshal.loads", "marshal.load",
+                       "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function", "ctypes.addressof",
+                       "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
+                       "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
+                       "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
 _PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                   "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"})
+                             "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"})
 _FILE_EVENTS = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
-                "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move",
-                "os.setxattr", "os.removexattr"})
+                          "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move",
+                          "os.setxattr", "os.removexattr"})
 _MODULE_EVENTS = frozenset({"gclab.guard.setattr", "gclab.guard.delattr"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-
-__all__ = ["Guard", "install", "starting_environment"]
 
 # The environment as the process was when gclab.guard was first imported: the grader imports
 # its instruments (and this module) before any learner code runs, and the processes gclab
