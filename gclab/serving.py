@@ -38,6 +38,8 @@ import asyncio
 import gc
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -784,7 +786,6 @@ def _zygote():
     """This process's serving zygote, started on first use; None where there cannot be one
     (no pidfds: not Linux), or with GCLAB_SERVING_FORK=0 (each server a fresh Python)."""
     from . import zygote
-    import signal
     if (os.environ.get("GCLAB_SERVING_FORK") == "0" or not zygote.available()
             or not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal")):
         return None
@@ -810,7 +811,6 @@ class _ForkedProcess:
         self._closer = weakref.finalize(self, os.close, pidfd)
 
     def wait(self, timeout: float | None = None):
-        import select
         if self.returncode is None:
             if not select.select([self._pidfd], [], [], timeout)[0]:
                 raise subprocess.TimeoutExpired(f"gclab.serving (pid {self.pid})", timeout)
@@ -824,7 +824,6 @@ class _ForkedProcess:
             return None
 
     def send_signal(self, number: int) -> None:
-        import signal
         if self.poll() is None:
             try:
                 signal.pidfd_send_signal(self._pidfd, number)
@@ -832,11 +831,9 @@ class _ForkedProcess:
                 pass
 
     def terminate(self) -> None:
-        import signal
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
         self.send_signal(signal.SIGKILL)
 
 
