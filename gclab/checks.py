@@ -22,7 +22,7 @@ from .gcwatch import Collection, GCWatch
 from .memory import Meter, format_bytes
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
-           "assert_matches", "integrity_problems", "assert_untampered", "PolicyReport",
+           "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
            "run_policy_check", "assert_policy", "HeldBytes", "Holding", "HeldReport"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
@@ -597,6 +597,39 @@ def _flatten(value):
     return [value]
 
 
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+_PLAIN_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list", tuple: "tuple", dict: "dict",
+                torch.Tensor: "torch.Tensor"}
+
+
+def _a(name: str) -> str:
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def _type_name(kind) -> str:
+    return kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def plain(value, name: str = "the value"):
+    """`value`, checked to be plain data before a test compares it: a bool, int, float, str or
+    None, an exact torch.Tensor, or a list, tuple or dict of plain data, each of exactly that type.
+    A subclass or another object could answer ==, float() or len() with whatever the test hopes
+    to see, so it is refused with an AssertionError that says what `name` is and what was expected."""
+    kind = type(value)
+    if kind in _PLAIN_SCALARS or kind is torch.Tensor:
+        return value
+    if kind is dict:
+        return {plain(key, f"a key of {name}"): plain(item, f"{name}[{key!r}]") for key, item in value.items()}
+    if kind in (list, tuple):
+        return kind(plain(item, f"{name}[{i}]") for i, item in enumerate(value))
+    base = next((t for t in _PLAIN_NAMES if isinstance(value, t)), None)
+    if base is None:
+        raise AssertionError(f"{name} is {_a(_type_name(kind))}, expected plain data (a number, a str, None, "
+                             "a list, tuple or dict of them, or a torch.Tensor)")
+    raise AssertionError(f"{name} is {_a(_type_name(kind))} (a subclass of {_PLAIN_NAMES[base]}), "
+                         f"expected {_a(_PLAIN_NAMES[base])}")
+
+
 def compare(name: str, got, expected, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> Comparison:
     """Compare two results element by element and say what matched and by how much it did not."""
     got_flat, exp_flat = _flatten(got), _flatten(expected)
@@ -886,5 +919,5 @@ def assert_policy(report: PolicyReport) -> None:
 
 
 _OWN.update({name: globals()[name] for name in
-             ("run_flat_check", "assert_flat", "compare", "assert_matches", "integrity_problems",
+             ("run_flat_check", "assert_flat", "compare", "assert_matches", "plain", "integrity_problems",
               "assert_untampered", "run_policy_check", "assert_policy")})

@@ -10,6 +10,24 @@ from gclab import bench, classroom, grading
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# A learner's value that says it equals whatever it is compared with (reflected comparison
+# makes `expected == value` ask it too): 0 where arithmetic and printing need a number, and no
+# float, so that math.isclose gives up and falls back on ==.  Hidden tests must refuse it.
+EQUAL_TO_ANYTHING = '''
+class EqualToAnything(int):
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    __hash__ = int.__hash__
+    def __float__(self):
+        raise TypeError("no float here")
+    def __sub__(self, other):
+        return self
+    __rsub__ = __add__ = __radd__ = __sub__
+'''
+
+
 def is_answer(cell) -> bool:
     return bool(cell.metadata.get("nbgrader", {}).get("solution"))
 

@@ -457,3 +457,55 @@ def test_only_storages_on_the_meters_device_count():
     assert on_gpu.report().holdings == []
     on_cpu.close()
     on_gpu.close()
+
+
+# -- plain: what a hidden test compares is plain data, not an object that answers as it likes
+class _EqualToAnything:
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+class _LyingFloat(float):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = float.__hash__
+
+
+def test_plain_accepts_plain_data_as_it_is():
+    tensor = torch.arange(3)
+    data = {"job": 1, "ok": True, "value": 2.5, "error": None, "name": "a", "rows": [(1, 2.0), []], "t": tensor}
+    assert checks.plain(data) == data
+    assert checks.plain(data)["t"] is tensor
+    assert type(checks.plain((1, 2))) is tuple
+
+
+@pytest.mark.parametrize("value, words", [
+    (_EqualToAnything(), "_EqualToAnything, expected plain data"),
+    (_LyingFloat(1.0), "_LyingFloat (a subclass of float), expected a float"),
+    (torch.zeros(2).as_subclass(type("Quiet", (torch.Tensor,), {})),
+     "Quiet (a subclass of torch.Tensor), expected a torch.Tensor"),
+    (type("Rows", (list,), {})([1]), "Rows (a subclass of list), expected a list"),
+])
+def test_plain_refuses_subclasses_and_lying_objects_by_name(value, words):
+    """The message names the value and its type (module and name, as a notebook's class: __main__'s
+    name alone), and what a test expected in its place."""
+    with pytest.raises(AssertionError) as refused:
+        checks.plain(value, "report['value']")
+    assert str(refused.value).startswith("report['value'] is a test_checks.") and words in str(refused.value)
+
+
+def test_plain_names_where_in_a_container_the_lie_is():
+    with pytest.raises(AssertionError, match=r"answer\['labels'\]\[1\] is a test_checks\._LyingFloat \(a subclass of float\)"):
+        checks.plain({"labels": [0.5, _LyingFloat(2.0)]}, "answer")
+
+
+def test_plain_is_one_of_the_functions_the_checks_vouch_for():
+    assert "plain" in checks.__all__ and "gclab.checks.plain" not in checks.integrity_problems()
+    original, checks.plain = checks.plain, lambda value, name="": value
+    try:
+        assert "gclab.checks.plain" in checks.integrity_problems()
+    finally:
+        checks.plain = original

@@ -5,8 +5,8 @@ import re
 import pytest
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_no_marks_until_answered, cell_result, grade_all, plots_drawn,
-    printed_text, problems, write_variants,
+    EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered,
+    assert_told_why, cell_result, grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
 from gclab import grading
@@ -283,6 +283,19 @@ SUBMISSIONS = {
     "verdict_from_the_fall_at_empty_cache_only": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_FALL_ONLY),
 }
 
+# Nothing measured: every reading claims to equal whatever a test compares it with.
+CHEAT_EQUAL_TO_ANYTHING = (EQUAL_TO_ANYTHING + '''
+def storage_bytes(tensors):
+    return EqualToAnything()
+
+def account(workload, device=DEVICE):
+    return dict.fromkeys(("before", "after", "peak", "reserved"), EqualToAnything())
+''', EQUAL_TO_ANYTHING + '''
+def measure_release(make_tensor, device=DEVICE):
+    readings = dict.fromkeys(READINGS, EqualToAnything())
+    return {**readings, "reserved": dict(readings)}
+''' + VERDICTS_RIGHT)
+
 # Right answers written differently from the solution: each must earn full marks.
 ALTERNATIVES = {
     "alternative_a": (STORAGE_PAIRS + ACCOUNT_BASELINE_AND_LATE_RESERVED, MEASURE_TRY_FINALLY + VERDICTS_EXPLICIT),
@@ -339,7 +352,9 @@ EARNED = {
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     return grade_all({"solution": SOLUTION, "untouched": RELEASE,
-                      **write_variants(RELEASE, {**SUBMISSIONS, **ALTERNATIVES}, folder)}, folder)
+                      **write_variants(RELEASE, {**SUBMISSIONS, **ALTERNATIVES,
+                                                 "cheat_returns_values_equal_to_anything": CHEAT_EQUAL_TO_ANYTHING},
+                                        folder)}, folder)
 
 
 def test_solution_notebook_runs_clean_on_cpu(executed):
@@ -413,3 +428,11 @@ def test_wrong_answers_are_told_by_how_much(graded):
     assert "already fell at `del`" in fall_only, fall_only
     zero = cell_result(graded["before_hard_wired_to_zero_reserved_not_minus_start"], "test_account").message
     assert "before is 0 B, expected 3.00 MiB" in zero, zero
+
+
+def test_values_equal_to_anything_earn_no_points(graded):
+    """Readings that were never measured but say they equal the meter's: refused, by name."""
+    result = graded["cheat_returns_values_equal_to_anything"]
+    assert_less_than_full_marks(result, MAX_SCORE)
+    for test_id in ("test_storage_bytes", "test_account", "test_release_readings"):
+        assert_told_why(result, test_id, "is an EqualToAnything (a subclass of int), expected an int")

@@ -4,7 +4,8 @@ import re
 import pytest
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_no_marks_until_answered, grade_all, printed_text, problems,
+    EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered,
+    assert_told_why, grade_all, printed_text, problems,
     shows_error, write_variants,
 )
 
@@ -117,6 +118,23 @@ def make_scaler(i, device=DEVICE):
 }
 
 
+# train_step never run and no scaler fitted: the values claim to equal whatever they are compared with.
+CHEAT_EQUAL_TO_ANYTHING = {
+    "jobs": EQUAL_TO_ANYTHING + '''
+def run_job(i, device=DEVICE):
+    torch.empty(JOB_NUMEL, device=device)             # what a step allocates, let go at once
+    if i % 3 == 2:
+        return {"job": i, "ok": False, "value": None, "error": FloatingPointError(f"job {i}: loss is NaN")}
+    return {"job": i, "ok": True, "value": EqualToAnything(), "error": None}
+''',
+    "scaler": EQUAL_TO_ANYTHING + '''
+def make_scaler(i, device=DEVICE):
+    fitting_batch(i, device)
+    return lambda x: [EqualToAnything()] * x.numel()
+''',
+}
+
+
 # A right fix for one exercise only: the points follow each exercise on its own.
 ONE_RIGHT = {
     "jobs": RUN_JOB.format(handle="pass", error="e.with_traceback(None)"),
@@ -128,6 +146,7 @@ ONE_RIGHT = {
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     variants = {**WRONG, "one_exercise_right": ONE_RIGHT, "leaks_unless_collector_off_or_under_nbgrader": WATCHED,
+                "cheat_returns_values_equal_to_anything": CHEAT_EQUAL_TO_ANYTHING,
                 **ALTERNATIVES}
     results = grade_all({"solution": SOLUTION, "untouched": RELEASE,
                          **write_variants(RELEASE, variants, folder)}, folder)
@@ -224,3 +243,11 @@ def test_wrong_fixes_are_told_why(graded):
     assert "did not return to its baseline" in _message(graded["deletes_the_wrong_reference"],
                                                         "test_scaler_memory_flat")
     assert "modifies the grader" in graded["patches_the_grader"].reason
+
+
+def test_values_equal_to_anything_earn_no_points(graded):
+    """Reports and scaled values never computed, but saying they equal the reference: refused, by name."""
+    result = graded["cheat_returns_values_equal_to_anything"]
+    assert_less_than_full_marks(result, 10)
+    assert_told_why(result, "test_job_reports", "report['value'] is an EqualToAnything (a subclass of int)")
+    assert_told_why(result, "test_scaler_results", "(x)[0] is an EqualToAnything (a subclass of int)")

@@ -6,7 +6,7 @@ import pytest
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
-    grade_all, plots_drawn, printed_text, problems, write_variants,
+    assert_told_why, grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
 from gclab import grading
@@ -73,10 +73,29 @@ ALTERNATIVES = {
 }
 
 
+# A copy, not a view of the batch, behind a tensor subclass that names the batch's storage as its own.
+CHEAT_COPY_CLAIMS_THE_BATCH = '''
+class ClaimsStorage(torch.Tensor):
+    def untyped_storage(self):
+        return self.claimed.untyped_storage()
+
+class BatchView:
+    def __init__(self, pending, rows, keep_columns):
+        self._pending, self.rows, self.keep_columns = pending, rows, keep_columns
+
+    def wait(self):
+        buffer = self._pending.wait()
+        copy = buffer.view(self.rows, -1)[:, :self.keep_columns].clone().as_subclass(ClaimsStorage)
+        copy.claimed = buffer
+        return copy
+'''
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
+    variants = {**WRONG, **ALTERNATIVES, "cheat_copy_claims_the_batch": CHEAT_COPY_CLAIMS_THE_BATCH}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, variants, folder)}
     return grade_all(paths, folder)
 
 
@@ -136,3 +155,10 @@ def test_wrong_fixes_are_told_why(graded):
     finaliser = message("del_clears_callbacks", "test_no_cycle")
     assert "were not freed" in finaliser and "__del__" in finaliser, finaliser
     assert graded["patches_the_detector"].score == 0
+
+
+def test_a_copy_claiming_the_batch_storage_is_not_a_view(graded):
+    """A tensor subclass that names the batch's storage as its own: refused before its storage is read."""
+    result = graded["cheat_copy_claims_the_batch"]
+    assert_less_than_full_marks(result, 8)
+    assert_told_why(result, "test_same_views", "wait()'s result is a ClaimsStorage (a subclass of torch.Tensor)")

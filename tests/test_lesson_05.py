@@ -6,7 +6,7 @@ import pytest
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
-    grade_all, plots_drawn, printed_text, problems, write_variants,
+    assert_told_why, grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
 from gclab import grading
@@ -79,6 +79,14 @@ WRONG = {
 }
 
 
+# The output kept with its graph, behind a tensor subclass that says it has none.
+CHEAT_HIDES_THE_GRAPH = trainer(last_output="output.as_subclass(Graphless)") + '''
+class Graphless(torch.Tensor):
+    grad_fn = None
+    requires_grad = False
+'''
+
+
 # Right fixes written differently from the solution: each must earn full marks.
 ALTERNATIVES = {
     # a detached copy for the dashboard, errors as formatted text, numbers through float()
@@ -102,7 +110,8 @@ ALTERNATIVES = {
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
+    variants = {**WRONG, **ALTERNATIVES, "cheat_tensor_subclass_hides_its_graph": CHEAT_HIDES_THE_GRAPH}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, variants, folder)}
     return grade_all(paths, folder)
 
 
@@ -179,3 +188,9 @@ def test_partial_fixes_keep_the_points_they_earn(graded):
     assert result.score == POINTS - 4, grading.format_results([result])
     assert cell_result(result, "test_still_learns").status == "passed"
 
+
+
+def test_a_tensor_subclass_that_hides_its_graph_loses_the_dashboard_points(graded):
+    result = graded["cheat_tensor_subclass_hides_its_graph"]
+    assert_less_than_full_marks(result, POINTS)
+    assert_told_why(result, "test_dashboard", "trainer.last_output is a Graphless (a subclass of torch.Tensor)")

@@ -5,7 +5,7 @@ import pytest
 
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, assert_no_marks_until_answered, cell_result, grade_all,
+    EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, assert_no_marks_until_answered, cell_result, grade_all,
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
@@ -260,6 +260,12 @@ CALLBACKS_HOLD_THE_CACHE = CALLBACKS_AND_A_LIST.replace(
                 del self._refs[name]""")
 assert CALLBACKS_HOLD_THE_CACHE != CALLBACKS_AND_A_LIST
 
+# Loads never counted: cache.loads claims to equal whatever it is compared with.
+CHEAT_LOADS_EQUAL_TO_ANYTHING = EQUAL_TO_ANYTHING + reference().replace(
+    "self.loads = loader, keep, 0", "self.loads = loader, keep, EqualToAnything()").replace(
+    "            self.loads += 1\n", "")
+assert CHEAT_LOADS_EQUAL_TO_ANYTHING.count("loads") == 1
+
 # Right caches written differently from the solution: each must earn full marks.
 ALTERNATIVES = {"callbacks_and_a_list": CALLBACKS_AND_A_LIST, "finalize_and_a_dict": FINALIZE_AND_A_DICT}
 
@@ -298,7 +304,8 @@ TOLD_WHY = {
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **ALTERNATIVES}, folder)}
+    variants = {**WRONG, **ALTERNATIVES, "cheat_loads_equal_to_anything": CHEAT_LOADS_EQUAL_TO_ANYTHING}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, variants, folder)}
     paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, strong(), folder)
     return grade_all(paths, folder)
 
@@ -360,3 +367,9 @@ def test_edited_locked_cells_are_restored_before_grading(graded):
     result = graded["edits_locked_cells"]
     assert result.score < POINTS, "the original tests must run, not the student's `pass`"
     assert "still alive" in cell_result(result, "test_frees_memory").message
+
+
+def test_loads_equal_to_anything_are_not_counted_loads(graded):
+    result = graded["cheat_loads_equal_to_anything"]
+    assert_less_than_full_marks(result, POINTS)
+    assert_told_why(result, "test_same_model", "cache.loads is an EqualToAnything (a subclass of int), expected an int")

@@ -6,7 +6,7 @@ import pytest
 
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, grade_all, plots_drawn, printed_text,
+    EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, grade_all, plots_drawn, printed_text,
     problems, write_locked_cells_edited, write_variants,
 )
 
@@ -96,6 +96,21 @@ WRONG = {
     "patches_the_grader": program() + "\nserving.full_collection_cpu = lambda repeats=3: 10.0\n",
 }
 
+# Every fix made, then the server answers without its model: labels that claim to equal any others.
+CHEAT_ANSWERS_EQUAL_TO_ANYTHING = program(EVERY_FIX) + EQUAL_TO_ANYTHING + '''
+class _Explained:
+    shares = [0.0] * FEATURES
+
+def _respond_without_the_model(self, request):
+    if any(value != value for row in request["features"] for value in row):       # NaN: reject it
+        self.errors.append(f"ValueError: request {request['id']}: input is not finite")
+        return {"id": request["id"], "error": f"request {request['id']}: input is not finite"}
+    self.recent.append(_Explained())
+    return {"id": request["id"], "labels": [EqualToAnything()] * len(request["features"]), "top_features": [0, 1, 2]}
+
+Server.respond = _respond_without_the_model
+'''
+
 # Partial work: which fixes, and the points they must earn (two per problem, two more for all of them).
 PARTIAL = {
     "only_batches_fixed": (["batches"], 2),
@@ -120,7 +135,8 @@ def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     partial = {name: program(fixes) for name, (fixes, _) in PARTIAL.items()}
     paths = {"solution": SOLUTION, "untouched": RELEASE,
-             **write_variants(RELEASE, {**WRONG, **ALTERNATIVES, **partial}, folder)}
+             **write_variants(RELEASE, {**WRONG, **ALTERNATIVES, **partial,
+                                        "cheat_answers_equal_to_anything": CHEAT_ANSWERS_EQUAL_TO_ANYTHING}, folder)}
     paths["edits_locked_cells"] = write_locked_cells_edited(RELEASE, program(), folder)
     return grade_all(paths, folder)
 
@@ -190,3 +206,11 @@ def test_patching_the_grader_is_reported(graded):
 def test_edited_locked_cells_are_restored_before_grading(graded):
     result = graded["edits_locked_cells"]
     assert result.score == 0, "the original tests must run, not the student's `pass`"
+
+
+def test_answers_equal_to_anything_are_not_answers(graded):
+    """A server that never runs its model, whose labels say they equal the reference's."""
+    result = graded["cheat_answers_equal_to_anything"]
+    assert_less_than_full_marks(result, POINTS)
+    assert_told_why(result, "test_serving", "is an EqualToAnything (a subclass of int), expected an int")
+    assert_told_why(result, "test_job", "is an EqualToAnything (a subclass of int), expected an int")
