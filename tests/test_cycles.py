@@ -159,8 +159,18 @@ def test_matplotlib_drawing_has_a_box_per_object_and_a_label_per_reference():
     ax.figure.canvas.draw()          # renders without error
 
 
+def _dot_searched_on(monkeypatch, path):
+    """`dot` is looked up on the PATH gclab started with (a PATH the graded code sets later is not
+    used): make that one `path`."""
+    monkeypatch.setattr(cycles, "starting_environment", lambda: {**os.environ, "PATH": path})
+
+
+def _dot_found_in(monkeypatch, folder):
+    _dot_searched_on(monkeypatch, f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
 def test_without_dot_show_graph_says_how_to_install_it_and_draws_with_matplotlib(monkeypatch, capsys):
-    monkeypatch.setenv("PATH", "")
+    _dot_searched_on(monkeypatch, "")
     assert not cycles.dot_available()
     with pytest.raises(FileNotFoundError, match="apt-get install graphviz"):
         cycles.render_png(cycles.ObjectGraph("refs"))
@@ -174,13 +184,6 @@ def test_without_dot_show_graph_says_how_to_install_it_and_draws_with_matplotlib
         assert hint in out
     assert "#1 Node --.tensor--> #0 Tensor" in out
     assert plt.get_fignums(), "a matplotlib figure was drawn"
-
-
-def _dot_found_in(monkeypatch, folder):
-    """`dot` is looked up on the PATH gclab started with (a PATH the graded code sets later is not
-    used): put `folder` first on that one."""
-    path = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
-    monkeypatch.setattr(cycles, "starting_environment", lambda: {**os.environ, "PATH": path})
 
 
 def test_a_dot_put_on_path_after_gclab_started_is_not_run(monkeypatch, tmp_path):
