@@ -54,8 +54,10 @@ _REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents",
                        "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
                        "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
                        "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
+# socket.sendmsg: how a request with file descriptors reaches a fork server (gclab.zygote)
 _PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                             "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill"})
+                             "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
+                             "socket.sendmsg"})
 _FILE_EVENTS = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
                           "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move",
                           "os.setxattr", "os.removexattr"})

@@ -557,10 +557,15 @@ def test_without_the_zygote_each_server_is_a_fresh_python(monkeypatch):
 def test_graded_code_cannot_start_a_server_through_the_zygote(tmp_path):
     """Forking is starting a process: the guard refuses it to the learner's code as it refuses Popen."""
     code = ("import gclab.memory, gclab.serving\nfrom gclab import guard\n"
+            "gclab.serving.prestart()\n"              # as lesson 06's set-up cell does, before the learner's code
             f"keeper = guard.install({str(tmp_path)!r}, processes=False)\n"
-            "learner = 'import gclab.serving\\ntry:\\n    gclab.serving.ModelServer(heap_objects=1000).start()\\n"
-            "    print(\"started\")\\nexcept RuntimeError as error:\\n    print(error)\\n'\n"
+            "learner = 'import gclab.serving, os, socket\\ntry:\\n    gclab.serving.ModelServer(heap_objects=1000).start()\\n"
+            "    print(\"started\")\\nexcept RuntimeError as error:\\n    print(error)\\n"
+            "read, write = os.pipe()\\ntry:\\n"
+            "    socket.send_fds(gclab.serving._ZYGOTE[0].sock, [b\"{}\"], [write, write])\\n"
+            "    print(\"sent\")\\nexcept RuntimeError as error:\\n    print(error)\\n'\n"
             f"exec(compile(learner, {str(tmp_path / 'answer.py')!r}, 'exec'), {{}})\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, TMPDIR=str(tmp_path)))       # as in a verdict process
     assert "refused while grading: subprocess.Popen" in done.stdout, done.stdout + done.stderr
+    assert "refused while grading: socket.sendmsg" in done.stdout and "sent" not in done.stdout, done.stdout
