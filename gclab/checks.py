@@ -610,14 +610,23 @@ def _type_name(kind) -> str:
     return kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
 
 
+def _is_numpy_scalar(value) -> bool:
+    """One of numpy's own scalar types (np.float64, np.int64, np.bool_), not a subclass made elsewhere."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) and type(value).__module__ == "numpy"
+
+
 def plain(value, name: str = "the value"):
     """`value`, checked to be plain data before a test compares it: a bool, int, float, str or
-    None, an exact torch.Tensor, or a list, tuple or dict of plain data, each of exactly that type.
+    None (numpy's own scalars become these), an exact torch.Tensor, or a list, tuple or dict of
+    plain data, each of exactly that type.
     A subclass or another object could answer ==, float() or len() with whatever the test hopes
     to see, so it is refused with an AssertionError that says what `name` is and what was expected."""
     kind = type(value)
     if kind in _PLAIN_SCALARS or kind is torch.Tensor:
         return value
+    if _is_numpy_scalar(value):
+        return value.item()             # np.float64 from a numpy sum: numpy's own type, its Python value
     if kind is dict:
         return {plain(key, f"a key of {name}"): plain(item, f"{name}[{key!r}]") for key, item in value.items()}
     if kind in (list, tuple):

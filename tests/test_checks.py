@@ -497,6 +497,16 @@ def test_plain_refuses_subclasses_and_lying_objects_by_name(value, words):
     assert str(refused.value).startswith("report['value'] is a test_checks.") and words in str(refused.value)
 
 
+def test_plain_takes_numpys_own_scalars_as_their_python_values_but_not_a_subclass():
+    import numpy as np
+    got = checks.plain({"mean": np.float64(2.5), "count": np.int64(3), "ok": np.bool_(True)})
+    assert got == {"mean": 2.5, "count": 3, "ok": True}
+    assert [type(v) for v in got.values()] == [float, int, bool]
+    sneaky = type("Sneaky", (np.float64,), {"__eq__": lambda self, other: True})
+    with pytest.raises(AssertionError, match="Sneaky"):
+        checks.plain(sneaky(1.0))
+
+
 def test_plain_names_where_in_a_container_the_lie_is():
     with pytest.raises(AssertionError, match=r"answer\['labels'\]\[1\] is a test_checks\._LyingFloat \(a subclass of float\)"):
         checks.plain({"labels": [0.5, _LyingFloat(2.0)]}, "answer")
