@@ -3,6 +3,11 @@ import gc
 import pytest
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "timed: times a server's latency; `make test` runs these alone, before the rest")
+
+
 @pytest.fixture(autouse=True)
 def restore_gc_state():
     """Tests switch the collector off and on: leave it as each test found it."""

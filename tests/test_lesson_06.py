@@ -18,6 +18,8 @@ from lesson_support import (
 
 from gclab import grading
 
+pytestmark = pytest.mark.timed     # run alone by `make test`: it times a server
+
 LESSON = "06_gc_pauses_in_serving"
 SOLUTION = ROOT / "solutions" / LESSON / f"{LESSON}.ipynb"
 RELEASE = ROOT / "notebooks" / LESSON / f"{LESSON}.ipynb"

@@ -10,6 +10,8 @@ import pytest
 from gclab.gcwatch import Collection, gc_disabled
 from gclab.serving import LoadResult, ModelServer, Trace, run_load, schedule, serve_inline
 
+pytestmark = pytest.mark.timed     # run alone by `make test`: it times a server
+
 
 def _policy(tmp_path, source, name="policy.py"):
     path = tmp_path / name
