@@ -29,12 +29,24 @@ def db_url(root: Path) -> str:
     return grading._course_config(root).CourseDirectory.db_url
 
 
+# nbgrader's add_submission trips SQLAlchemy's autoflush notice about its own new rows; it is
+# harmless.  Filtered for the process, once: `warnings.catch_warnings` around each write is not
+# thread-safe, and `gclab grade --jobs` records from several threads.
+_AUTOFLUSH_NOTICE = r"Object of type <Submitted\w+> not in session"
+
+
 @contextmanager
 def opened(url: str):
     from nbgrader.api import Gradebook
-    _alembic_on_path()
+    _prepare_nbgrader()
     with Gradebook(url) as book:
         yield book
+
+
+def _prepare_nbgrader() -> None:
+    from sqlalchemy.exc import SAWarning
+    warnings.filterwarnings("ignore", message=_AUTOFLUSH_NOTICE, category=SAWarning)
+    _alembic_on_path()
 
 
 def _alembic_on_path() -> None:
@@ -50,7 +62,7 @@ def _alembic_on_path() -> None:
 def mirror_assignment(book, root: Path, assignment: str) -> None:
     """Create or update `assignment` in `book` as nbgrader recorded it at generation."""
     from nbgrader.api import Gradebook
-    _alembic_on_path()
+    _prepare_nbgrader()
     generated = grading.prepare(root, assignment) / "autograder" / "gradebook.db"
     with Gradebook(f"sqlite:///{generated}") as source:
         original = source.find_assignment(assignment)
@@ -75,20 +87,13 @@ def record(url: str, root: Path, result: grading.NotebookResult, timestamp: str 
     from nbgrader.api import InvalidEntry
     for attempt in range(attempts):
         try:
-            with opened(url) as book, warnings.catch_warnings():
-                # nbgrader's add_submission trips SQLAlchemy's autoflush warning; it is harmless
-                warnings.simplefilter("ignore", category=_sa_warning())
+            with opened(url) as book:
                 _record(book, root, result, timestamp)
             return
         except InvalidEntry:
             if attempt == attempts - 1:
                 raise
             time.sleep(0.2 * (attempt + 1))
-
-
-def _sa_warning():
-    from sqlalchemy.exc import SAWarning
-    return SAWarning
 
 
 def _record(book, root: Path, result: grading.NotebookResult, timestamp: str | None) -> None:
