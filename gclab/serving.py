@@ -1067,13 +1067,21 @@ class InlineRun:
     (id, start, end) on the perf_counter clock and the CPU seconds it took; every collection
     with its CPU time; what each request returned (or the error it raised); `left`: the
     unreachable objects a full collection found right after the last request (cyclic garbage
-    the program's collector settings had not freed yet)."""
+    the program's collector settings had not freed yet).
+
+    `full_inside`: full collections that ran inside the requests, by the collector's own count
+    (`gc.get_stats`, which needs no hook); `full_inside_unwatched`: the same count when the
+    requests were served once more with no hook of `serve_inline`'s in `gc.callbacks` (None when
+    that second pass did not run), so that a program which looks for the hook and behaves only
+    while it is there is told apart (`differs_unwatched`)."""
     requests: list
     cpu: list
     collections: list
     results: list
     left: int = 0
     stopped_early: bool = False
+    full_inside: int = 0
+    full_inside_unwatched: int | None = None
 
     @property
     def trace(self) -> Trace:
@@ -1111,7 +1119,24 @@ class InlineRun:
                 f"{self.charges().max(initial=0) * 1e3:.2f} ms of CPU, P99 {self.pause_p99() * 1e3:.2f} ms; "
                 f"cyclic garbage left after the last request: {self.left} objects "
                 f"({self.garbage_left():.0%} of what the run made)"
-                + (" (stopped early: over the pause budget whatever the rest would do)" if self.stopped_early else ""))
+                + (" (stopped early: over the pause budget whatever the rest would do)" if self.stopped_early else "")
+                + (f"; {self.differs_unwatched()}" if self.differs_unwatched() else ""))
+
+    def unwatched_margin(self) -> int:
+        """Full collections the unwatched pass may run beyond the watched one: the hook's own
+        records are allocations, which move the automatic collections a little."""
+        return 2 + self.full_inside // 10
+
+    def differs_unwatched(self) -> str:
+        """"" when the requests ran about as many full collections unwatched as watched; else a
+        sentence saying how many more they ran once nothing was watching."""
+        if self.full_inside_unwatched is None or \
+                self.full_inside_unwatched <= self.full_inside + self.unwatched_margin():
+            return ""
+        return (f"served again with no hook of the measurement's in gc.callbacks, the requests ran "
+                f"{'at least ' if self.full_inside_unwatched > self.full_inside else ''}"
+                f"{self.full_inside_unwatched} full collections, against {self.full_inside} while watched: "
+                "a program must do the same whether or not it is measured")
 
 
 def serve_inline(handle, requests, pause_budget: float | None = None, thread_time=time.thread_time,
@@ -1124,7 +1149,10 @@ def serve_inline(handle, requests, pause_budget: float | None = None, thread_tim
 
     With `pause_budget` (CPU seconds), the run stops as soon as so many requests ran a
     collection longer than that that the P99 is over budget whatever the rest would do
-    (`stopped_early`): a program that collects in every request is judged in a few requests."""
+    (`stopped_early`): a program that collects in every request is judged in a few requests.
+    A run that did not stop early then serves the requests once more, unwatched (no hook in
+    `gc.callbacks`, the collector's own counts only; their results are dropped), and records
+    the full collections inside them (`full_inside_unwatched`, see `InlineRun.differs_unwatched`)."""
     record = InlineRun([], [], [], [])
     planned = len(requests)
     over = 0
@@ -1143,13 +1171,14 @@ def serve_inline(handle, requests, pause_budget: float | None = None, thread_tim
     gc.callbacks.append(on_gc)
     try:
         for k, request in enumerate(requests):
-            first, start, cpu = len(record.collections), clock(), thread_time()
+            first, start, cpu, full = len(record.collections), clock(), thread_time(), _full_collections()
             try:
                 result = handle(request)
             except Exception as exc:
                 result = exc.with_traceback(None)
             record.requests.append((k, start, clock()))
             record.cpu.append(thread_time() - cpu)
+            record.full_inside += _full_collections() - full
             record.results.append(result)
             if pause_budget is not None:
                 longest = max((c.cpu for c in record.collections[first:]), default=0.0)
@@ -1160,7 +1189,31 @@ def serve_inline(handle, requests, pause_budget: float | None = None, thread_tim
     finally:
         gc.callbacks.remove(on_gc)
     record.left = gc.collect()
+    if pause_budget is not None and not record.stopped_early:
+        record.full_inside_unwatched = _full_collections_unwatched(
+            handle, requests[:len(record.requests)], record.full_inside + record.unwatched_margin())
     return record
+
+
+def _full_collections() -> int:
+    """Full collections this process has run, by the collector's own count (no hook needed)."""
+    return gc.get_stats()[-1]["collections"]
+
+
+def _full_collections_unwatched(handle, requests, enough: int) -> int:
+    """Full collections inside `handle(request)` for each request, read from the collector's own
+    counts with nothing added to gc.callbacks; stops once the count passes `enough`."""
+    count = 0
+    for request in requests:
+        before = _full_collections()
+        try:
+            handle(request)
+        except Exception:
+            pass
+        count += _full_collections() - before
+        if count > enough:
+            break
+    return count
 
 
 def main(argv=None) -> int:

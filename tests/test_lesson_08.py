@@ -6,9 +6,11 @@ import pytest
 
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, grade_all, plots_drawn, printed_text,
-    problems, write_locked_cells_edited, write_variants,
+    EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, cell_result, grade_all,
+    plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
+
+from gclab import grading
 
 SOLUTION = ROOT / "solutions" / "08_capstone" / "08_capstone.ipynb"
 RELEASE = ROOT / "notebooks" / "08_capstone" / "08_capstone.ipynb"
@@ -46,6 +48,7 @@ def program(fixed=(), extra=()) -> str:
     return source
 
 
+SERVE_COLLECTS = "        gc.collect()                       # keeps the server's memory flat between requests"
 EVERY_FIX = list(FIXES)
 MEMORY_FIXES_BUT_STEPS = ["registry", "errors", "serving"]
 BATCH_RETURN = "        return self.inputs, DATA_Y[self.step % N_BATCHES]"
@@ -94,6 +97,12 @@ WRONG = {
     "purely_weak_registry": program(["batches", "trainer", "errors", "serving"], [
         ("        self.versions = {}", "        self.versions = weakref.WeakValueDictionary()")]),
     "patches_the_grader": program() + "\nserving.full_collection_cpu = lambda repeats=3: 10.0\n",
+    # the collection in every request stays, skipped while a hook in gc.callbacks is measuring
+    "cheat_collects_unless_watched": program(["batches", "trainer", "registry", "errors"], [
+        (SERVE_COLLECTS, "        if not gc.callbacks:               # nobody is measuring\n            gc.collect()")]),
+    "cheat_collects_unless_serve_inline_watches": program(["batches", "trainer", "registry", "errors"], [
+        (SERVE_COLLECTS, "        if not any('serve_inline' in getattr(c, '__qualname__', '') for c in gc.callbacks):\n"
+                         "            gc.collect()")]),
 }
 
 # Every fix made, then the server answers without its model: labels that claim to equal any others.
@@ -126,6 +135,8 @@ TOLD_WHY = {
     "collector_off_for_good": ("test_serving", "must stay on"),
     "thresholds_sky_high": ("test_serving", "cyclic garbage unfreed"),
     "collects_every_50_requests": ("test_serving", "collector pauses over budget"),
+    "cheat_collects_unless_watched": ("test_serving", "full collections, against 0 while watched"),
+    "cheat_collects_unless_serve_inline_watches": ("test_serving", "a program must do the same whether or not"),
     "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
 }
 
@@ -214,3 +225,12 @@ def test_answers_equal_to_anything_are_not_answers(graded):
     assert_less_than_full_marks(result, POINTS)
     assert_told_why(result, "test_serving", "is an EqualToAnything (a subclass of int), expected an int")
     assert_told_why(result, "test_job", "is an EqualToAnything (a subclass of int), expected an int")
+
+
+# (the cheat, its score): the second also collects in the whole job's requests, which test_job sees
+@pytest.mark.parametrize("name, score", [("cheat_collects_unless_watched", 10),
+                                         ("cheat_collects_unless_serve_inline_watches", 8)])
+def test_a_program_that_behaves_only_while_measured_loses_the_serving_points(graded, name, score):
+    """Every other fix made; the collection in every request skipped while a hook is in gc.callbacks."""
+    result = graded[name]
+    assert cell_result(result, "test_serving").score == 0 and result.score == score, grading.format_results([result])

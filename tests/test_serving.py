@@ -525,6 +525,37 @@ def test_a_run_over_its_pause_budget_stops_once_the_p99_cannot_be_met():
     assert not serve_inline(_cycles, list(range(50)), pause_budget=10.0).stopped_early
 
 
+def test_a_program_that_collects_only_when_unwatched_is_told_apart():
+    """It looks for a hook in gc.callbacks and skips its collection while one is there."""
+    def collects_unless_watched(request):
+        if not gc.callbacks:
+            gc.collect()
+        return request
+    run = serve_inline(collects_unless_watched, list(range(200)), pause_budget=1.0)
+    assert run.full_inside == 0 and run.pause_p99() == 0
+    assert run.full_inside_unwatched == run.unwatched_margin() + 1, "the second pass stops once it is told"
+    assert "3 full collections, against 0 while watched" in run.differs_unwatched()
+    assert run.differs_unwatched() in run.summary()
+
+
+@pytest.mark.parametrize("every", [None, 50])
+def test_a_program_that_does_the_same_watched_or_not_is_not_told_anything(every):
+    def handle(request):
+        _cycles(request)
+        if every and request % every == every - 1:
+            gc.collect()
+        return request
+    run = serve_inline(handle, list(range(400)), pause_budget=1.0)
+    assert run.full_inside_unwatched is not None and not run.differs_unwatched()
+    assert run.full_inside >= (400 // every if every else 0)
+
+
+def test_without_a_pause_budget_the_requests_are_served_once():
+    served = []
+    serve_inline(served.append, list(range(10)))
+    assert served == list(range(10))
+
+
 def test_modules_and_variables_the_learner_left_behind_do_not_reach_the_server(tmp_path, monkeypatch):
     """The server and its load generator start isolated (-I) with the environment gclab started
     with: a `uvicorn.py` in the current folder, or PYTHONPATH set afterwards, is not imported."""
