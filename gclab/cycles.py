@@ -39,13 +39,13 @@ import objgraph
 import torch
 
 from .guard import starting_environment
-from .memory import format_bytes
+from .memory import device_storage, format_bytes
 from .refs import frame_local_names
 
 __all__ = ["GraphNode", "GraphEdge", "ObjectGraph", "backref_graph", "ref_graph", "program_objects",
            "reference_label", "describe_object", "garbage_by_type", "draw_graph", "render_png", "show_graph",
            "dot_available", "DOT_MISSING", "CycleReport", "TensorCycles", "watch_tensor_cycles",
-           "find_tensor_cycles", "is_tensor", "DETECTOR_COST"]
+           "find_tensor_cycles", "is_tensor", "instance_attributes", "DETECTOR_COST"]
 
 DOT_MISSING = (
     "Graphviz's `dot` program is not installed (or not on PATH), so the graph below is drawn "
@@ -213,7 +213,7 @@ def describe_object(obj) -> str:
     return text if len(text) <= 40 else text[:39] + "…"
 
 
-def _attributes(obj) -> dict:
+def instance_attributes(obj) -> dict:
     """An object's instance attributes: its __dict__ (which reading may create on 3.11+)
     and its __slots__."""
     found = {}
@@ -277,7 +277,7 @@ def reference_label(source, target, closure_names: dict | None = None) -> str:
     if not isinstance(source, (type, types.ModuleType)):
         if getattr(type(source), "__dictoffset__", 0) and getattr(source, "__dict__", None) is target:
             return "__dict__"
-        for name, value in _attributes(source).items():
+        for name, value in instance_attributes(source).items():
             if value is target:
                 return f".{name}"
     if type(source) is target:
@@ -724,7 +724,7 @@ def _edge_label(source, target, closure_names: dict) -> str:
     if not label and getattr(type(target), "__dictoffset__", 0) and not isinstance(target, type):
         # `source` holds `target.__dict__`, which was folded into `target`
         namespace = getattr(target, "__dict__", None)
-        names = [f".{name}" for name, value in _attributes(source).items() if value is namespace]
+        names = [f".{name}" for name, value in instance_attributes(source).items() if value is namespace]
         inner = names[0] if names else reference_label(source, namespace, closure_names)
         label = f"{inner} (its __dict__)" if inner else ""
     return label
@@ -789,14 +789,13 @@ def _reaching(targets, following: dict[str, list[str]]) -> set[str]:
 
 
 def _held_bytes(tensors) -> int:
-    """Bytes of memory behind `tensors`, each storage counted once (views share one)."""
+    """Bytes of memory behind `tensors` as the meter counts them, each storage once (views share one)."""
     storages = {}
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        storages[(t.device.type, t.device.index, storage.data_ptr()) if storage.data_ptr() else id(t)] = \
-            storage.nbytes()
+        found = device_storage(t) if isinstance(t, torch.Tensor) else None
+        if found is not None:
+            key, _, nbytes = found
+            storages[key] = nbytes
     return sum(storages.values())
 
 

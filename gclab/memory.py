@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Meter", "MeterPoint", "default_device", "describe_device", "format_bytes"]
+__all__ = ["Meter", "MeterPoint", "default_device", "describe_device", "device_storage", "format_bytes"]
 
 MiB = 1024**2
 
@@ -60,6 +60,24 @@ def format_bytes(n: float) -> str:
         if n >= size:
             return f"{sign}{n / size:.2f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def device_storage(tensor, device=None):
+    """(key, storage, bytes) of a strided tensor's storage; bytes as the device counts them
+    (the CUDA allocator rounds every block up to 512 bytes); None for one it cannot read, or
+    one on another device than `device` (when given)."""
+    try:
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return None
+        if device is not None and tensor.device != device:
+            return None
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+    except Exception:                     # a tensor subclass, a functional wrapper
+        return None
+    if tensor.device.type == "cuda":
+        nbytes = -(-nbytes // 512) * 512
+    return storage._cdata, storage, nbytes
 
 
 @dataclass(frozen=True)

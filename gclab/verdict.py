@@ -76,7 +76,7 @@ def _load_instruments():
     import matplotlib.pyplot  # noqa: F401
     import numpy  # noqa: F401
     import torch  # noqa: F401
-    import gclab.checks, gclab.cycles, gclab.gcwatch, gclab.memory, gclab.plots, gclab.refs, gclab.serving  # noqa: F401,E401
+    import gclab.checks, gclab.cycles, gclab.gcwatch, gclab.held, gclab.memory, gclab.plots, gclab.refs, gclab.serving  # noqa: F401,E401
     from IPython.core.interactiveshell import InteractiveShell
     return InteractiveShell
 

@@ -1,0 +1,341 @@
+"""What an object holds: which of its attributes keeps the tensor bytes a loop left behind.
+
+    held = HeldBytes(trainer, name="trainer")    # the start: what it holds now
+    ... run the steps ...
+    print(held.report().explain())
+
+The forward twin of `gclab.refs.reference_paths` (which searches backwards, from an object to
+the globals that keep it): a breadth-first walk from one object through its attributes,
+containers, closures, exceptions with their tracebacks' frames, and each tensor's autograd
+graph, crediting every tensor storage to the first path that reaches it.  Bytes are counted
+as `gclab.memory.Meter` counts them (`memory.device_storage`).  `gclab.checks.run_flat_check`
+uses it, with `holder=`, to name what a leaking loop's object keeps.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import warnings
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .cycles import instance_attributes
+from .memory import device_storage, format_bytes, _expired, _free_weak_ref
+
+__all__ = ["HeldBytes", "HeldReport", "Holding"]
+
+_SKIPPED = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType,
+            weakref.ref, weakref.ProxyType, weakref.CallableProxyType, property, staticmethod,
+            classmethod, str, bytes, int, float, complex, bool, type(None), range)
+_FRAME_NAMES = sys.version_info >= (3, 13)     # f_locals is a live view; before, reading it stores a copy
+
+
+def _describe_tensor(tensor) -> str:
+    shape = "x".join(map(str, tensor.shape)) or "scalar"
+    dtype = str(tensor.dtype).replace("torch.", "")
+    graph = f" with grad_fn {type(tensor.grad_fn).__name__}" if tensor.grad_fn is not None else ""
+    return f"a {dtype}[{shape}] tensor{graph}"
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        return _describe_tensor(obj)
+    if isinstance(obj, BaseException):
+        return f"a {type(obj).__name__}" + (" with its traceback" if obj.__traceback__ is not None else "")
+    if isinstance(obj, (list, tuple, dict, set, deque)):
+        return f"a {type(obj).__name__} of {len(obj)}"
+    return f"a {type(obj).__name__}"
+
+
+def _children(obj, names: bool):
+    """(text that follows obj in an expression, what it refers to) for what `obj` keeps alive
+    that may lead to a tensor; a tensor's autograd graph is followed by _graph_tensors."""
+    if isinstance(obj, dict):
+        return [(f"[{key!r}]", value) for key, value in list(obj.items())]
+    if isinstance(obj, (list, tuple, deque)):
+        return [(f"[{i}]", value) for i, value in enumerate(list(obj))]
+    if isinstance(obj, (set, frozenset)):
+        return [(" (a member)", value) for value in list(obj)]
+    if isinstance(obj, BaseException):
+        found = [(".__traceback__", obj.__traceback__), (".__cause__", obj.__cause__),
+                 (".__context__", obj.__context__), (".args", obj.args)]
+        return found + [(f".{k}", v) for k, v in list(getattr(obj, "__dict__", {}).items())]
+    if isinstance(obj, types.TracebackType):
+        return [(".tb_frame", obj.tb_frame), (".tb_next", obj.tb_next)]
+    if isinstance(obj, types.FrameType):
+        if names or _FRAME_NAMES:
+            return [(f".f_locals[{k!r}]", v) for k, v in list(obj.f_locals.items())]
+        skip = {id(obj.f_back), id(obj.f_globals), id(obj.f_builtins), id(obj.f_code)}
+        return [(" (a local)", v) for v in gc.get_referents(obj) if id(v) not in skip]
+    if isinstance(obj, types.MethodType):
+        return [(".__self__", obj.__self__)]
+    if isinstance(obj, types.FunctionType):      # what it closes over and its defaults, not its module's globals
+        found = []
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                found.append((f" (closure variable {name!r})", cell.cell_contents))
+            except ValueError:                   # an empty cell
+                pass
+        return found + [(".__defaults__", obj.__defaults__), (".__kwdefaults__", obj.__kwdefaults__)]
+    if isinstance(obj, _SKIPPED):
+        return []
+    found = []
+    if isinstance(obj, torch.Tensor):
+        found.append((".grad", obj.grad))
+    found += [(f".{k}", v) for k, v in instance_attributes(obj).items() if k not in ("__dict__", "__weakref__")]
+    return found
+
+
+def _graph_tensors(tensor):
+    """The tensors a tensor's autograd graph keeps (saved for backward, the parameters it leads to)."""
+    found, seen, todo, walked = [], set(), [tensor.grad_fn], []
+    while todo and len(seen) < 10_000:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        walked.append(node)                               # alive while ids are compared
+        variable = getattr(node, "variable", None)        # AccumulateGrad: a parameter
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except Exception:                         # released by backward()
+                    continue
+                values = value if isinstance(value, (tuple, list)) else (value,)
+                found.extend(v for v in values if isinstance(v, torch.Tensor))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@dataclass
+class _Found:
+    """Where the walk first reached a storage."""
+    group: str          # the attribute of the holder: "trainer.errors"
+    entry: str          # the first step inside it: "trainer.errors[0]" (the group itself for a tensor)
+    entry_what: str     # "a FloatingPointError with its traceback"
+    root: str           # the path from the entry to the tensor that keeps the storage ("" when it is the entry)
+    root_what: str      # "a float32[256x32] tensor with grad_fn AddmmBackward0"
+    frame: str          # the function whose frame holds that tensor, if one does
+    nbytes: int
+    via_graph: bool     # saved by that tensor's autograd graph, not its own storage
+
+
+def _walk(obj, name: str, names: bool, device=None, max_objects: int = 50_000) -> dict:
+    """storage key -> (storage, _Found) for every tensor storage reachable from `obj` through
+    attributes, containers, closures, exceptions with their frames and autograd graphs; each
+    storage is credited to the first path a breadth-first walk reaches it by."""
+    found, seen = {}, {id(obj)}
+    keep = [obj]                                   # what is walked stays alive while ids are compared
+    # (object, path, group, entry path, entry object, the function of the last frame passed)
+    queue = deque([(obj, name, None, None, None, "")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")            # some objects warn when merely looked at
+        while queue and len(seen) < max_objects:
+            node, path, group, entry, entry_obj, frame = queue.popleft()
+            if isinstance(node, torch.Tensor):
+                where = (path, group or path, entry or path, node if entry_obj is None else entry_obj, frame)
+                _credit(found, device, node, *where)
+                for kept in _graph_tensors(node):
+                    _credit(found, device, kept, *where, via_graph=node)
+            try:
+                children = _children(node, names)
+            except Exception:
+                continue
+            for piece, child in children:
+                if child is None or id(child) in seen or isinstance(child, _SKIPPED):
+                    continue
+                seen.add(id(child))
+                keep.append(child)
+                child_path = path + piece
+                if group is None:                  # an attribute of the holder: a group
+                    item = (child_path, child_path, None, None)
+                elif entry is None:                # the first step inside a group: an entry
+                    item = (child_path, group, child_path, child)
+                else:
+                    item = (child_path, group, entry, entry_obj)
+                child_frame = f"{child.f_code.co_name}()" if isinstance(child, types.FrameType) else frame
+                queue.append((child, *item, child_frame))
+    return found
+
+
+def _credit(found, device, tensor, path, group, entry, entry_obj, frame, via_graph=None):
+    storage = device_storage(tensor, device)
+    if storage is None or storage[0] in found:
+        return
+    key, storage_obj, nbytes = storage
+    holder = via_graph if via_graph is not None else tensor
+    found[key] = (storage_obj, _Found(group, entry, _describe(entry_obj), path[len(entry):],
+                                      _describe_tensor(holder), frame, nbytes, via_graph is not None))
+
+
+@dataclass
+class Holding:
+    """One attribute of the holder (or one item, when the holder is a container) and what it
+    holds beyond what it held at the start: `grew` bytes, `new_entries` of its entries holding
+    storages made since then, and the first of them (`example`, what keeps its bytes)."""
+    path: str
+    grew: int = 0
+    new_entries: int = 0
+    example: str = ""
+    example_bytes: int = 0
+
+    def __str__(self):
+        text = f"{self.path} ({format_bytes(self.grew)} more"
+        if self.new_entries > 1:
+            text += f", in {self.new_entries} entries"
+        text += ")"
+        if self.example:
+            text += f": {self.example}"
+        return text
+
+
+@dataclass
+class HeldReport:
+    """What `HeldBytes.report` found: the holdings that grew, most bytes first, next to the meter's growth."""
+    name: str
+    holdings: list
+    growth: int
+    iterations: int
+
+    @property
+    def accounted(self) -> int:
+        return sum(h.grew for h in self.holdings)
+
+    def explain(self) -> str:
+        after = f"after {self.iterations} iterations" if self.iterations else "now"
+        if not self.holdings:
+            return (f"Nothing reachable from {self.name} (its attributes, what they hold, exceptions with their "
+                    f"frames, autograd graphs) grew {after}: the bytes are held elsewhere (a global, a closure, "
+                    "a cache) or sit in reference cycles waiting for the collector "
+                    "(gclab.cycles.watch_tensor_cycles finds those).")
+        shown = "; ".join(str(h) for h in self.holdings[:3])
+        more = f"; and {len(self.holdings) - 3} more" if len(self.holdings) > 3 else ""
+        text = f"Where the bytes are, {after}: {shown}{more}."
+        rest = self.growth - self.accounted
+        if self.growth and rest > 512:
+            text += (f" That is {format_bytes(self.accounted)} of the {format_bytes(self.growth)} above the "
+                     "baseline; the rest is held elsewhere.")
+        return text
+
+
+class HeldBytes:
+    """Which attribute of `holder` keeps the tensor bytes a loop left behind.
+
+        held = HeldBytes(trainer, name="trainer")    # the start: what it holds now
+        ... run the steps ...
+        print(held.report().explain())
+        # Where the bytes are, now: trainer.errors (1.69 MiB more, in 3 entries): trainer.errors[0],
+        # a FloatingPointError with its traceback, whose __traceback__.tb_frame.f_locals['output']
+        # (in train_step()) is a float32[256x32] tensor with grad_fn AddmmBackward0: 576.01 KiB ...
+
+    At the start it notes every tensor storage alive (by a weak reference to it, which keeps
+    nothing alive) and what each attribute of the holder holds; `report` walks the holder again,
+    through attributes, containers, closures, exceptions with their tracebacks' frames, and
+    each tensor's autograd graph (the tensors saved for backward), and credits each attribute
+    with the storages made since the start that it holds, less those it held at the start and
+    let go (a replaced `last_output` did not grow).  Storages that existed at the start (the
+    data, the parameters) are never growth.  A storage two attributes share counts once, for
+    the one a breadth-first walk reaches first.  Bytes are counted as the meter counts them
+    (on CUDA rounded up to the allocator's 512-byte blocks); with `device`, only storages on it.  Frames' locals are read by name
+    only in `report` (on Python 3.11 and 3.12 reading `frame.f_locals` stores a copy on the frame).
+    """
+
+    def __init__(self, holder, name: str | None = None, device=None):
+        self._holder = holder
+        self.name = name or _name_of(holder)
+        self.device = torch.device(device) if device is not None else None
+        self._refs: dict[int, int] = {}          # storage key -> weak reference handle
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if issubclass(type(obj), torch.Tensor):
+                    self._remember(obj)
+        found = _walk(holder, self.name, names=False, device=self.device)
+        self._at_start: dict[int, tuple[str, int]] = {}
+        for key, (storage, where) in found.items():
+            if key not in self._refs:
+                self._refs[key] = storage._weak_ref()
+            self._at_start[key] = (where.group, where.nbytes)
+        del found
+
+    def _remember(self, tensor):
+        storage = device_storage(tensor, self.device)
+        if storage is not None and storage[0] not in self._refs:
+            self._refs[storage[0]] = storage[1]._weak_ref()
+
+    def _from_start(self, key) -> bool:
+        """Is this storage one that was alive at the start (not a new one at a reused address)?"""
+        ref = self._refs.get(key)
+        return ref is not None and not _expired(ref)
+
+    def report(self, growth: int = 0, iterations: int = 0) -> HeldReport:
+        found = _walk(self._holder, self.name, names=True, device=self.device)
+        groups: dict[str, Holding] = {}
+        entries: dict[str, dict[str, list]] = {}
+        for key, (_, where) in found.items():
+            if not self._from_start(key):
+                groups.setdefault(where.group, Holding(where.group)).grew += where.nbytes
+                entries.setdefault(where.group, {}).setdefault(where.entry, []).append(where)
+        for key, (group, nbytes) in self._at_start.items():
+            if not self._from_start(key):         # held at the start, freed since (replaced)
+                groups.setdefault(group, Holding(group)).grew -= nbytes
+        for group, holding in groups.items():
+            in_group = entries.get(group, {})
+            holding.new_entries = len(in_group)
+            if in_group:
+                entry, wheres = next(iter(in_group.items()))      # the first, in the walk's order
+                holding.example_bytes = sum(w.nbytes for w in wheres)
+                holding.example = _example(entry, wheres)
+        del found
+        grew = sorted((h for h in groups.values() if h.grew > 0), key=lambda h: -h.grew)
+        return HeldReport(self.name, grew, growth, iterations)
+
+    def close(self) -> None:
+        """Let go of the weak references (the storages themselves were never held)."""
+        for ref in self._refs.values():
+            _free_weak_ref(ref)
+        self._refs.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _example(entry: str, wheres: list) -> str:
+    """What one entry is and what in it keeps its new bytes: "trainer.errors[0], a FloatingPointError
+    with its traceback, whose __traceback__.tb_frame.f_locals['output'] (in train_step()) is a
+    float32[256x32] tensor with grad_fn AddmmBackward0: 576.01 KiB, most of it saved by its graph"."""
+    first = wheres[0]
+    own = [w for w in wheres if not w.via_graph]
+    root = own[0] if own else first
+    text = f"{entry}, {first.entry_what}"
+    if root.root:
+        where = f" (in {root.frame})" if root.frame else ""
+        text += f", whose {root.root.lstrip('.')}{where} is {root.root_what}"
+    saved = sum(w.nbytes for w in wheres if w.via_graph)
+    total = sum(w.nbytes for w in wheres)
+    text += f": {format_bytes(total)}"
+    if saved:
+        text += f", {format_bytes(saved)} of it saved by its autograd graph"
+    return text
+
+
+def _name_of(holder) -> str:
+    """The holder's name in the notebook (`trainer`), else "the Trainer"."""
+    try:
+        from .refs import reference_paths
+        paths = reference_paths(holder, max_paths=1, max_visits=4)
+    except Exception:
+        paths = []
+    if paths and all(part.isidentifier() for part in paths[0].split(".")):
+        return paths[0]
+    return f"the {type(holder).__name__}"

@@ -1,0 +1,49 @@
+"""gclab.held: which attribute of an object keeps the tensor bytes made since a start."""
+import torch
+
+from gclab.held import HeldBytes
+from gclab.memory import device_storage
+
+
+def test_held_bytes_on_its_own_and_a_container_as_the_holder():
+    log = {"records": [], "latest": torch.zeros(1000)}
+    held = HeldBytes(log, name="log")
+    for i in range(4):
+        log["records"].append(torch.zeros(16) + i)
+        log["latest"] = torch.zeros(1000)          # replaced: no growth
+    report = held.report()
+    held.close()
+    assert [(h.path, h.grew, h.new_entries) for h in report.holdings] == [("log['records']", 4 * 64, 4)]
+    assert "Where the bytes are, now: log['records'] (256 B more, in 4 entries)" in report.explain()
+
+
+def test_only_storages_on_the_meters_device_count():
+    kept = {"losses": []}
+    on_cpu, on_gpu = HeldBytes(kept, name="kept", device="cpu"), HeldBytes(kept, name="kept", device="cuda:0")
+    kept["losses"].append(torch.zeros(8))                          # host memory: not what a GPU meter counts
+    assert [(h.path, h.grew) for h in on_cpu.report().holdings] == [("kept['losses']", 32)]
+    assert on_gpu.report().holdings == []
+    on_cpu.close()
+    on_gpu.close()
+
+
+def test_slots_are_walked_by_name():
+    class Slotted:
+        __slots__ = "kept"               # one slot, written as a string
+
+        def __init__(self):
+            self.kept = []
+
+    holder = Slotted()
+    held = HeldBytes(holder, name="holder")
+    holder.kept.append(torch.zeros(4))
+    assert [(h.path, h.grew) for h in held.report().holdings] == [("holder.kept", 16)]
+    held.close()
+
+
+def test_a_storage_is_counted_once_and_as_the_device_counts_it():
+    base = torch.zeros(10)
+    key, storage, nbytes = device_storage(base)
+    assert nbytes == 40 and device_storage(base[2:5])[0] == key       # a view shares its storage
+    assert device_storage(base, device=torch.device("cuda:0")) is None
+    assert device_storage(torch.zeros(3).to_sparse()) is None
