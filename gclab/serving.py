@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import gc
 import json
 import os
@@ -1139,8 +1140,8 @@ class InlineRun:
                 "a program must do the same whether or not it is measured")
 
 
-def serve_inline(handle, requests, pause_budget: float | None = None, thread_time=time.thread_time,
-                 clock=time.perf_counter) -> InlineRun:
+def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_requests=None,
+                 thread_time=time.thread_time, clock=time.perf_counter) -> InlineRun:
     """Call `handle(request)` for each of `requests` in turn, recording when each ran, the CPU it
     took and every collection (`gc.callbacks`, with the CPU time of this thread: not inflated when
     the machine is busy).  An exception a request raises is kept as its result, without frames.
@@ -1150,9 +1151,11 @@ def serve_inline(handle, requests, pause_budget: float | None = None, thread_tim
     With `pause_budget` (CPU seconds), the run stops as soon as so many requests ran a
     collection longer than that that the P99 is over budget whatever the rest would do
     (`stopped_early`): a program that collects in every request is judged in a few requests.
-    A run that did not stop early then serves the requests once more, unwatched (no hook in
+    A run that did not stop early then serves requests once more, unwatched (no hook in
     `gc.callbacks`, the collector's own counts only; their results are dropped), and records
-    the full collections inside them (`full_inside_unwatched`, see `InlineRun.differs_unwatched`)."""
+    the full collections inside them (`full_inside_unwatched`, see `InlineRun.differs_unwatched`):
+    `unwatched_requests` when given (requests the program has not seen: it cannot tell the
+    second pass by them), else copies of the requests served (not the same objects)."""
     record = InlineRun([], [], [], [])
     planned = len(requests)
     over = 0
@@ -1190,8 +1193,9 @@ def serve_inline(handle, requests, pause_budget: float | None = None, thread_tim
         gc.callbacks.remove(on_gc)
     record.left = gc.collect()
     if pause_budget is not None and not record.stopped_early:
+        again = copy.deepcopy(requests[:len(record.requests)]) if unwatched_requests is None else unwatched_requests
         record.full_inside_unwatched = _full_collections_unwatched(
-            handle, requests[:len(record.requests)], record.full_inside + record.unwatched_margin())
+            handle, again, record.full_inside + record.unwatched_margin())
     return record
 
 

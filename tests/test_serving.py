@@ -538,6 +538,22 @@ def test_a_program_that_collects_only_when_unwatched_is_told_apart():
     assert run.differs_unwatched() in run.summary()
 
 
+def test_the_second_pass_cannot_be_told_by_its_requests():
+    """The program also skips its collection for a request object it has served before."""
+    seen = set()
+
+    def collects_for_new_requests_unwatched(request):
+        if not gc.callbacks and id(request) not in seen:
+            gc.collect()
+        seen.add(id(request))
+        return request["id"]
+    requests = [{"id": k} for k in range(100)]
+    assert serve_inline(collects_for_new_requests_unwatched, requests, pause_budget=1.0).differs_unwatched()
+    fresh = [{"id": k} for k in range(100, 200)]
+    run = serve_inline(collects_for_new_requests_unwatched, requests, pause_budget=1.0, unwatched_requests=fresh)
+    assert run.differs_unwatched()
+
+
 @pytest.mark.parametrize("every", [None, 50])
 def test_a_program_that_does_the_same_watched_or_not_is_not_told_anything(every):
     def handle(request):
