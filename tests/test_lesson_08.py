@@ -24,6 +24,9 @@ def given_program() -> str:
     return next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "given_program")
 
 
+# The given server's collection in every request.
+SERVE_COLLECTS = "        gc.collect()                       # keeps the server's memory flat between requests"
+
 # Each planted problem's smallest fix: (what the given program says, what the fix says).
 FIXES = {
     "batches": [("self.on_ready = lambda x: x.clamp(-self.limit, self.limit)",
@@ -34,8 +37,7 @@ FIXES = {
                  ("        self.versions[self.latest] = snapshot",
                   "        self.versions[self.latest] = self._current = snapshot")],
     "errors": [("self.errors.append(error)", 'self.errors.append(f"{type(error).__name__}: {error}")')],
-    "serving": [("        gc.collect()                       # keeps the server's memory flat between requests",
-                 "        pass")],
+    "serving": [(SERVE_COLLECTS, "        pass")],
 }
 
 
@@ -48,7 +50,6 @@ def program(fixed=(), extra=()) -> str:
     return source
 
 
-SERVE_COLLECTS = "        gc.collect()                       # keeps the server's memory flat between requests"
 EVERY_FIX = list(FIXES)
 MEMORY_FIXES_BUT_STEPS = ["registry", "errors", "serving"]
 BATCH_RETURN = "        return self.inputs, DATA_Y[self.step % N_BATCHES]"
@@ -70,7 +71,7 @@ ALTERNATIVES = {
          "        if model is None:\n            raise KeyError(version)\n        return model"),
         ("self.errors.append(error)", "self.errors.append(error.with_traceback(None))"),
         (SERVER_INIT, SERVER_INIT + "\n        gc.freeze()                   # the long-lived heap: never walked again"),
-        ("        gc.collect()                       # keeps the server's memory flat between requests", "        pass"),
+        (SERVE_COLLECTS, "        pass"),
     ]),
 }
 
@@ -91,7 +92,7 @@ WRONG = {
     "collector_off_for_good": program(EVERY_FIX, [(SERVER_INIT, SERVER_INIT + "\n        gc.disable()")]),
     "thresholds_sky_high": program(EVERY_FIX, [(SERVER_INIT, SERVER_INIT + "\n        gc.set_threshold(10**9)")]),
     "collects_every_50_requests": program(["batches", "trainer", "registry", "errors"], [
-        ("        gc.collect()                       # keeps the server's memory flat between requests",
+        (SERVE_COLLECTS,
          "        self.served = getattr(self, 'served', 0) + 1\n"
          "        if self.served % 50 == 0:\n            gc.collect()")]),
     "purely_weak_registry": program(["batches", "trainer", "errors", "serving"], [
