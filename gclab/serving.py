@@ -1071,8 +1071,8 @@ class InlineRun:
     the program's collector settings had not freed yet).
 
     `full_inside`: full collections that ran inside the requests, by the collector's own count
-    (`gc.get_stats`, which needs no hook); `full_inside_unwatched`: the same count when the
-    requests were served once more with no hook of `serve_inline`'s in `gc.callbacks` (None when
+    (`gc.get_stats`, which needs no hook); `full_inside_unwatched`: the same count for as many
+    requests served after them with no hook of `serve_inline`'s in `gc.callbacks` (None when
     that second pass did not run), so that a program which looks for the hook and behaves only
     while it is there is told apart (`differs_unwatched`)."""
     requests: list
@@ -1134,10 +1134,10 @@ class InlineRun:
         if self.full_inside_unwatched is None or \
                 self.full_inside_unwatched <= self.full_inside + self.unwatched_margin():
             return ""
-        return (f"served again with no hook of the measurement's in gc.callbacks, the requests ran "
-                f"{'at least ' if self.full_inside_unwatched > self.full_inside else ''}"
-                f"{self.full_inside_unwatched} full collections, against {self.full_inside} while watched: "
-                "a program must do the same whether or not it is measured")
+        # the unwatched pass stops as soon as it passes the margin: its count is a lower bound
+        return (f"served as many requests again with no hook of the measurement's in gc.callbacks, the requests "
+                f"ran at least {self.full_inside_unwatched} full collections, against {self.full_inside} while "
+                "watched: a program must do the same whether or not it is measured")
 
 
 def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_requests=None,
