@@ -345,11 +345,32 @@ def _answers_of(submitted) -> dict:
             if _meta(c).get("solution") and _meta(c).get("grade_id")}
 
 
+def top_level_names(source: str) -> set[str]:
+    """Names a cell binds at its top level (definitions, imports, assignments)."""
+    tree = _parse(source)
+    names = set()
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
 def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
     """What the verdict process runs: the source's set-up and given cells and its test cells
-    (hidden parts included), with the submission's answer cells in their places."""
+    (hidden parts included), with the submission's answer cells in their places.
+
+    `tools`: the names the locked cells import from the grader's modules; `answer_names`: the
+    names the reference answers define (a lesson may give a program the answer replaces).  Every
+    other name a locked cell binds reaches the tests as that cell left it."""
     import secrets
     answers = _answers_of(submitted_nb)
+    locked = [c.source for c in source_nb.cells if _meta(c).get("locked") and not _meta(c).get("grade")]
+    answer_names = set().union(*(top_level_names(c.source) for c in source_nb.cells if _meta(c).get("solution")))
     cells, tests, missing = [], [], []
     for cell in source_nb.cells:
         meta = _meta(cell)
@@ -364,7 +385,8 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
         elif meta.get("locked"):
             cells.append({"kind": "given", "id": meta.get("grade_id", "given"), "source": cell.source})
     return {"token": secrets.token_hex(16), "workdir": str(workdir), "cells": cells, "tests": tests,
-            "missing_answers": missing, "hidden": [str(h) for h in hidden]}
+            "missing_answers": missing, "hidden": [str(h) for h in hidden],
+            "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names)}
 
 
 def apply_limits(memory_limit) -> None:

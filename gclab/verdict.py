@@ -92,6 +92,7 @@ def run(job: dict, channel: int) -> None:
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
     _send(channel, token, event="ready")
     answer_errors = {}
+    given = {}
     for cell in job["cells"]:
         if cell["kind"] == "answer":
             _send(channel, token, event="answer", cell=cell["id"])
@@ -101,23 +102,39 @@ def run(job: dict, channel: int) -> None:
                 answer_errors[cell["id"]] = _describe(error)
         else:
             code = keeper.trust(compile(cell["source"], f"<{cell['id']}>", "exec"))
+            before = dict(namespace)
             exec(code, namespace)
+            given.update((name, value) for name, value in namespace.items() if before.get(name, _UNSET) is not value)
+    for name in job.get("answer_names", ()):
+        given.pop(name, None)
+    tools = [name for name in job.get("tools", ()) if name in given]
     for test in job["tests"]:
         _send(channel, token, event="start", test=test["id"])
-        outcome = _run_test(keeper, test, namespace)
+        outcome = _run_test(keeper, test, namespace, given, tools)
         _send(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
     _send(channel, token, event="done")
 
 
-def _run_test(keeper, test: dict, namespace: dict) -> dict:
+_UNSET = object()
+
+
+def _rebound(namespace: dict, given: dict, tools) -> list[str]:
+    """The grader's tools (names the locked cells imported) that the learner's code bound to
+    something else, by whatever route (`globals()`, `exec`, `__main__`)."""
+    return [f"{name} (which the set-up cell imports) was rebound by the notebook's code" for name in tools
+            if namespace.get(name, _UNSET) is not given[name]]
+
+
+def _run_test(keeper, test: dict, namespace: dict, given: dict, tools) -> dict:
     """Run a test cell: its visible self-checks with their printed output kept for the
-    learner's feedback, its hidden parts with their output dropped."""
+    learner's feedback, its hidden parts with their output dropped.  The test sees the
+    learner's names, and every name a locked cell bound as that cell left it."""
     parts = [(hidden, keeper.trust(compile(source, f"<test {test['id']}>", "exec")))
              for hidden, source in _parts(test["source"])]
-    before = set(keeper.problems())
+    before = set(keeper.problems()) | set(_rebound(namespace, given, tools))
     printed = _Printed()
     try:
-        scope = dict(namespace)
+        scope = {**namespace, **given}
         for hidden, code in parts:
             if hidden:
                 exec(code, scope)
@@ -131,7 +148,7 @@ def _run_test(keeper, test: dict, namespace: dict) -> dict:
         outcome = {"status": "timeout", "message": "the test ran past the time limit and was interrupted"}
     except BaseException as error:        # the learner's code may raise anything, SystemExit included
         outcome = {"status": "error", "message": _describe(error)}
-    problems = keeper.problems()
+    problems = keeper.problems() + _rebound(namespace, given, tools)
     if problems:
         new = [p for p in problems if p not in before] or problems
         outcome = {"status": "tampered", "message": "; ".join(new[:3])}

@@ -77,6 +77,8 @@ def _tree_digest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file() and "work" not in p.relative_to(folder).parts}
 
 
+REBINDS_CHECKS = ("import types\nlenient = types.SimpleNamespace(assert_untampered=lambda: None)\n"
+                  "def double(x):\n    return 2 * x\n")
 IGNORES_INTERRUPTS = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass"
 
 
@@ -87,6 +89,7 @@ def hostile(course, tmp_path_factory):
     pid_file = tmp / "escaped.pid"
     answers = {
         "right": "def double(x):\n    return 2 * x",
+        "imports_the_tools_again": "import gc\nfrom gclab import checks\ndef double(x):\n    return 2 * x",
         "untouched": "raise NotImplementedError()",
         "loops_forever": "def double(x):\n    return 2 * x\nwhile True:\n    pass",
         "loops_forever_ignoring_interrupts": IGNORES_INTERRUPTS,
@@ -108,6 +111,10 @@ def hostile(course, tmp_path_factory):
                                      "getattr(mine, '_manifest').clear()\nmine.refused.clear()\nput = setattr\n"
                                      "put(gclab.memory.Meter, 'describe', lambda self: '')\n"
                                      "def double(x):\n    return 2 * x"),
+        # a tool's name bound to a stand-in by routes no line of the answer spells as `checks = ...`
+        "rebinds_a_tool_through_globals": REBINDS_CHECKS + "globals().update(checks=lenient)",
+        "rebinds_a_tool_through_exec": REBINDS_CHECKS + "exec('checks = lenient')",
+        "rebinds_a_tool_through_main_module": REBINDS_CHECKS + "import __main__\nsetattr(__main__, 'checks', lenient)",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -128,13 +135,19 @@ def hostile(course, tmp_path_factory):
 HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_without_end", "prints_gigabytes",
            "fork_bomb", "writes_into_the_course", "reads_the_solution", "forges_the_result_channel", "invalid_json",
            "stripped_metadata", "emptied_test_cells", "deleted_test_cells", "another_lessons_notebook",
-           "escapes_with_setsid", "clears_the_guards_record"]
+           "escapes_with_setsid", "clears_the_guards_record", "rebinds_a_tool_through_globals",
+           "rebinds_a_tool_through_exec", "rebinds_a_tool_through_main_module"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
     results = hostile["results"]
     assert results["right"].score == 2, grading.format_results([results["right"]])
     assert results["untouched"].score == 0
+
+
+def test_importing_the_set_up_cells_tools_again_is_not_tampering(hostile):
+    result = hostile["results"]["imports_the_tools_again"]
+    assert result.score == 2, grading.format_results([result])
 
 
 @pytest.mark.parametrize("name", HOSTILE)
@@ -153,6 +166,9 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("escapes_with_setsid", "subprocess.Popen"),
     ("forges_the_result_channel", "result channel"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
+    ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),
+    ("rebinds_a_tool_through_exec", "checks (which the set-up cell imports) was rebound"),
+    ("rebinds_a_tool_through_main_module", "checks (which the set-up cell imports) was rebound"),
     ("invalid_json", "not a readable notebook"),
     ("stripped_metadata", "no answer cell answer"),
     ("another_lessons_notebook", "no answer cell answer"),
