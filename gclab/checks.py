@@ -6,6 +6,8 @@ sentence, which is what a learner (and nbgrader's feedback) sees.
 """
 from __future__ import annotations
 
+import array
+import contextlib
 import gc
 import math
 import sys
@@ -17,7 +19,7 @@ import torch
 
 from .gcwatch import Collection, GCWatch
 from .held import HeldBytes, HeldReport
-from .memory import Meter, format_bytes
+from .memory import Meter, ProcessMemory, format_bytes, process_memory
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
@@ -57,9 +59,10 @@ def assert_untampered() -> None:
 # -- memory flat ---------------------------------------------------------------------
 @dataclass
 class FlatReport:
-    """What happened while `step` ran repeatedly: first with the automatic collector off, then
+    """What happened while `step` ran repeatedly: first with the automatic collector off (the
+    last `unwatched` of those iterations with nothing of the grader's in the process), then
     (`collector_on` iterations) with it on, so that code which leaks only while the collector
-    runs (or checks `gc.isenabled()`) is caught too."""
+    runs (or checks `gc.isenabled()`), or only while nothing measures it, is caught too."""
     device: torch.device
     iterations: int
     growth: list[int] = field(default_factory=list)          # bytes above baseline after each iteration
@@ -67,38 +70,95 @@ class FlatReport:
     results: list = field(default_factory=list)
     reenabled_gc: bool = False
     error: BaseException | None = None
-    collector_on: int = 0                                      # iterations asked for with the collector on
+    collector_on: int = 0                                      # then these, the first `unwatched` of them
+                                                               # with the collector off, the rest with it on
     growth_collector_on: list[int] = field(default_factory=list)
     results_collector_on: list = field(default_factory=list)
     held: "HeldReport | None" = None                           # with run_flat_check(holder=...): who holds it
+    unwatched: int = 0
+    results_unwatched: list = field(default_factory=list)
+    heap_unwatched: list[int] = field(default_factory=list)    # heap bytes above the unwatched part's start
+    device_unwatched: list[int] = field(default_factory=list)  # CUDA: allocated bytes above it
+    heap_collector_on: list[int] = field(default_factory=list)  # heap bytes above the collector-on part's start
+    collections_unwatched: int = 0
 
     @property
     def leaked(self) -> int:
         return max(self.growth + self.growth_collector_on, default=0)
 
     @property
+    def _held_collector_on(self) -> list[tuple[int, int]]:
+        """(iteration, bytes) where memory was above its baseline with the collector on."""
+        if not self.unwatched:
+            return [(i, g) for i, g in enumerate(self.growth_collector_on, 1) if g > 0]
+        return [(i, max(g, h)) for i, (g, h) in enumerate(zip(self.growth_collector_on, self.heap_collector_on), 1)
+                if h > self.HEAP_SLACK]
+
+    @property
     def _on_path_ok(self) -> bool:
         # collections may run on this path and free older garbage, so memory may end below its baseline
-        return len(self.growth_collector_on) == self.collector_on and all(g <= 0 for g in self.growth_collector_on)
+        return len(self.growth_collector_on) == self.with_collector_on and not self._held_collector_on
+
+    @property
+    def with_collector_on(self) -> int:
+        return self.collector_on - self.unwatched
+
+    # What the process's heap may gain over the unwatched iterations of a leak-free step: a
+    # few hundred bytes of first-time costs (measured: at most 208 B over the course's lessons),
+    # far below one leaked tensor of any lesson.
+    HEAP_SLACK = 16 * 1024
+
+    @property
+    def ok_so_far(self) -> bool:
+        return (self.error is None and all(g == 0 for g in self.growth) and not self.collections
+                and not self.reenabled_gc and self._unwatched_ok)
+
+    @property
+    def _unwatched_ok(self) -> bool:
+        return (max(self.heap_unwatched, default=0) <= self.HEAP_SLACK and not any(self.device_unwatched)
+                and not self.collections_unwatched)
 
     @property
     def ok(self) -> bool:
-        return (self.error is None and len(self.growth) == self.iterations
-                and all(g == 0 for g in self.growth) and not self.collections and not self.reenabled_gc
-                and self._on_path_ok)
+        return (self.ok_so_far and len(self.growth) == self.iterations
+                and len(self.heap_unwatched) == self.unwatched and self._on_path_ok)
+
+    def _explain_unwatched(self) -> list[str]:
+        where = (f"in {self.unwatched} more iterations with the collector off, run with nothing of the "
+                 "grader's in the process (no meter, no hook in gc.callbacks)")
+        lines = []
+        grew = max(self.heap_unwatched, default=0)
+        if grew > self.HEAP_SLACK:
+            lines.append(
+                f"{where}, the process's heap grew by {format_bytes(grew)} (about "
+                f"{format_bytes(self.heap_unwatched[-1] / len(self.heap_unwatched))} per iteration): the code "
+                "keeps memory alive when it is not measured, or makes tensors where the meter cannot see "
+                "them (another thread, torch's dispatch turned off). A fix must free its memory whether "
+                "or not anything watches it.")
+        if any(self.device_unwatched):
+            lines.append(f"{where}, the device's allocated memory grew by {format_bytes(max(self.device_unwatched))}.")
+        if self.collections_unwatched:
+            lines.append(
+                f"{where}, the collector ran {self.collections_unwatched} time(s) (counted by gc.get_stats()): "
+                "a fix must free memory by reference counting alone, watched or not.")
+        return lines
 
     def explain(self) -> str:
         if self.ok:
-            also = (f", and after each of {self.collector_on} more with the collector on"
-                    if self.collector_on else "")
+            unwatched = (f", then after {self.unwatched} more with nothing of the grader's watching (measured "
+                         "by the process's heap)" if self.unwatched else "")
+            also = (f", and after each of {self.with_collector_on} more with the collector on"
+                    if self.with_collector_on else "")
             return (f"memory was back at its baseline after each of {self.iterations} iterations "
-                    f"on {self.device}, with the collector off and no collection{also}: reference counting "
-                    "alone frees it.")
+                    f"on {self.device}, with the collector off and no collection{unwatched}{also}: reference "
+                    "counting alone frees it.")
         lines = []
         if self.error is not None:
             where = (f"after {len(self.growth)} of {self.iterations} iterations"
                      if len(self.growth) < self.iterations else
-                     f"after {len(self.growth_collector_on)} of {self.collector_on} iterations with the collector on")
+                     f"after {len(self.heap_unwatched)} of {self.unwatched} unwatched iterations"
+                     if len(self.heap_unwatched) < self.unwatched else
+                     f"after {len(self.growth_collector_on)} of {self.with_collector_on} iterations with the collector on")
             lines.append(f"the step raised {type(self.error).__name__}: {self.error} ({where})")
         bad = [(i, g) for i, g in enumerate(self.growth, 1) if g != 0]
         if bad:
@@ -120,7 +180,8 @@ class FlatReport:
                 "counting alone, without gc.collect() or the automatic collector.")
         if self.reenabled_gc:
             lines.append("the step switched the automatic collector back on (gc.enable()).")
-        held_on = [(i, g) for i, g in enumerate(self.growth_collector_on, 1) if g > 0]
+        lines += self._explain_unwatched()
+        held_on = self._held_collector_on
         if held_on and not bad:
             i, g = held_on[0]
             lines.append(
@@ -142,15 +203,21 @@ def _plain(value):
 
 def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                    collector_on: int | None = None, holder=None, holder_name: str | None = None) -> FlatReport:
-    """Call `step(i)` for i in range(warmup + iterations) with the automatic collector off, then
-    `collector_on` more times (default: a quarter of `iterations`, at least 2) with it on.
+    """Call `step(i)` for i in range(warmup + iterations) with the automatic collector off and the
+    meter watching, then `collector_on` more times (default: a quarter of `iterations`, at least
+    2) with nothing of the grader's in the process.
 
-    The meter's baseline is taken after the warm-up iterations; after every measured
-    iteration with the collector off memory must be back at that baseline, to the byte, and
-    no collection (automatic or explicit) may run.  With the collector on, collections may
-    run, but memory must still be back at (or below) its baseline after every iteration:
-    a fix must not depend on the collector being off.  The collector's previous state is
-    restored after.
+    The meter's baseline is taken after the warm-up iterations; after every watched iteration
+    memory must be back at that baseline, to the byte, and no collection (automatic or
+    explicit) may run.  In the unwatched iterations the meter is paused (no dispatch mode) and
+    no hook is in gc.callbacks, so code cannot behave well only while watched.  Where the
+    process's heap can be read (`process_memory`: every CPU tensor's bytes, whichever thread
+    made them), the first half of them run with the collector off and must leave the heap, the
+    CUDA allocator's count and the collector's statistics where they were; the rest run with
+    the collector on, where collections may run but memory must still be back at (or below)
+    its level before them after every iteration: a fix must not depend on the collector being
+    off.  Elsewhere they all run with the collector on, measured by the meter.  The collector's
+    previous state is restored after.
 
     `holder`: the object whose code the step runs (a trainer, a cache), for the learner's
     self-check.  When memory did not come back, the report then also says which of its
@@ -160,8 +227,9 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     """
     if collector_on is None:
         collector_on = max(2, iterations // 4)
+    unwatched = collector_on // 2 if process_memory() is not None and collector_on >= 2 else 0
     meter = Meter(device)
-    report = FlatReport(device=meter.device, iterations=iterations, collector_on=collector_on)
+    report = FlatReport(device=meter.device, iterations=iterations, collector_on=collector_on, unwatched=unwatched)
     watch = GCWatch()
     held = None
     was_enabled = gc.isenabled()
@@ -182,8 +250,11 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                             report.reenabled_gc = True
                             gc.disable()
                 report.collections = list(watch.collections)
-                if report.ok or (not report.collections and not any(report.growth)):
-                    _run_collector_on(step, meter, report, start=warmup + iterations)
+                if report.ok_so_far:
+                    with meter.paused() if unwatched else contextlib.nullcontext():
+                        _run_unwatched(step, report, start=warmup + iterations)
+                        if report.ok_so_far:
+                            _run_collector_on(step, meter, report, start=warmup + iterations + unwatched)
             except Exception as exc:          # reported, not raised: the report says what happened
                 report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
             if held is not None:
@@ -200,15 +271,51 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     return report
 
 
+def _collections_so_far() -> int:
+    return sum(generation["collections"] for generation in gc.get_stats())
+
+
+def _run_unwatched(step, report: FlatReport, start: int) -> None:
+    """The unwatched, collector-off part of `run_flat_check`: the process's heap and the device's
+    count above their values before it, after each iteration, and the collections that ran."""
+    if not report.unwatched:
+        return
+    # readings go into arrays made beforehand, so that keeping them allocates nothing
+    heap, device = (array.array("q", bytes(8 * report.unwatched)) for _ in range(2))
+    results = [None] * report.unwatched
+    collections, device_start, before = _collections_so_far(), _device_bytes(report.device), process_memory()
+    for n in range(report.unwatched):
+        results[n] = _plain(step(start + n))
+        heap[n] = process_memory().heap - before.heap
+        device[n] = _device_bytes(report.device) - device_start
+        if gc.isenabled():
+            report.reenabled_gc = True
+            gc.disable()
+    report.collections_unwatched = _collections_so_far() - collections
+    report.results_unwatched = results
+    report.heap_unwatched, report.device_unwatched = list(heap), list(device)
+
+
+def _device_bytes(device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def _run_collector_on(step, meter, report: FlatReport, start: int) -> None:
-    """The collector-on part of `run_flat_check`: growth after each iteration, collections allowed."""
+    """The collector-on part of `run_flat_check`: growth after each iteration, collections allowed.
+
+    After an unwatched part it runs unwatched too (the meter paused) and is judged by the
+    process's heap: what a step keeps from one call to the next (a trainer's gradients, a
+    cache's recent models) was made while the meter was paused, so the meter's count would
+    move as watched steps replace it, with no byte more held."""
     gc.collect()                 # garbage left from before must not be freed inside the measurement
-    baseline = meter.allocated()
+    baseline, heap_baseline = meter.allocated(), process_memory()
     gc.enable()
     try:
-        for i in range(start, start + report.collector_on):
+        for i in range(start, start + report.with_collector_on):
             report.results_collector_on.append(_plain(step(i)))
             report.growth_collector_on.append(meter.allocated() - baseline)
+            if report.unwatched:
+                report.heap_collector_on.append(process_memory().heap - heap_baseline.heap)
     finally:
         gc.disable()
 

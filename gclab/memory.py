@@ -19,14 +19,17 @@ they grow later), and memory that is not a tensor's.  A tensor made by
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Meter", "MeterPoint", "default_device", "describe_device", "device_storage", "format_bytes"]
+__all__ = ["Meter", "MeterPoint", "ProcessMemory", "default_device", "describe_device", "device_storage",
+           "format_bytes", "process_memory"]
 
 MiB = 1024**2
 
@@ -390,6 +393,21 @@ class Meter:
         self._active = False
         return False
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing of the meter in the process while the block runs: on CPU no dispatch mode is
+        active and no hook is in gc.callbacks, so code cannot tell it from an unmetered run.
+        Tensors made and freed inside are never seen; counted ones freed inside are.  (On CUDA
+        the meter installs nothing, and reading the allocator's count goes on.)"""
+        if self.is_cuda or not self._active:
+            yield self
+            return
+        self._tracker.__exit__(None, None, None)
+        try:
+            yield self
+        finally:
+            self._tracker.__enter__()
+
     def _enter_cuda(self):
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -464,6 +482,47 @@ class Meter:
         budget = f", budget={format_bytes(self.budget)}" if self.budget else ""
         return (f"<Meter {self.device} {state}: allocated={format_bytes(self.allocated())}, "
                 f"peak={format_bytes(self.peak())}{budget}>")
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """What the whole process holds, read from outside torch: `heap`, the bytes in use in the C
+    library's heap (glibc's `mallinfo2`: where every CPU tensor's storage lives, whichever thread
+    made it, with or without a dispatch mode), and `blocks`, Python's small-object blocks in use
+    (`sys.getallocatedblocks`).  Neither needs anything installed in the process, so code
+    cannot tell it is being read; neither is exact per tensor, so judge growth over many steps."""
+    heap: int
+    blocks: int
+
+    def __sub__(self, other: "ProcessMemory") -> "ProcessMemory":
+        return ProcessMemory(self.heap - other.heap, self.blocks - other.blocks)
+
+
+def _mallinfo2():
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        read = libc.mallinfo2
+    except (OSError, AttributeError):       # not glibc (macOS, musl), or glibc before 2.33
+        return None
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                     "fordblks", "keepcost")]
+    read.restype = _Info
+    return read
+
+
+_MALLINFO2 = _mallinfo2()       # bound at import, before any learner's code runs
+
+
+def process_memory() -> ProcessMemory | None:
+    """The process's memory now (see `ProcessMemory`), or None where the C library cannot say."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return ProcessMemory(info.uordblks + info.hblkhd, sys.getallocatedblocks())
 
 
 def _warm_up_dispatch():

@@ -99,31 +99,119 @@ def test_step_that_reenables_gc_is_reported():
 
 def test_step_runs_with_the_collector_off():
     seen = []
-    run_flat_check(lambda i: seen.append(gc.isenabled()), iterations=3, warmup=2, collector_on=2)
-    assert seen == [False] * 5 + [True] * 2, "warm-up and measured iterations off, then two with it on"
+    run_flat_check(lambda i: seen.append(gc.isenabled()), iterations=3, warmup=2, collector_on=4)
+    assert seen == [False] * 7 + [True] * 2, "warm-up, measured and unwatched iterations off, then two with it on"
 
 
 def test_leaks_unless_collector_off_is_caught_with_the_collector_on():
     kept = []
 
     def step(i):
-        pair = [torch.zeros(64)]
+        pair = [torch.zeros(16 * 1024)]
         if gc.isenabled():
             kept.append(pair)             # behaves only while the check has the collector off
         return float(pair[0].sum())
 
-    report = run_flat_check(step, iterations=8)
-    assert not report.ok and report.growth == [0] * 8
-    assert report.growth_collector_on == [256, 512]
-    assert "with the collector switched on, memory was 256 B above its baseline" in report.explain()
+    report = run_flat_check(step, iterations=8, collector_on=4)
+    assert not report.ok and report.growth == [0] * 8 and report.unwatched == 2
+    assert [round(h / 1024) for h in report.heap_collector_on] == [64, 128]     # measured by the process's heap
+    assert "with the collector switched on, memory was 64" in report.explain()
     assert "gc.isenabled()" in report.explain()
 
 
 def test_a_cycle_freed_by_an_automatic_collection_is_fine_with_the_collector_on():
-    report = run_flat_check(fixed_step, iterations=4, collector_on=3)
+    report = run_flat_check(fixed_step, iterations=4, collector_on=6)
     assert report.ok, report.explain()
-    assert len(report.growth_collector_on) == 3
+    assert report.unwatched == 3 and len(report.growth_collector_on) == 3
+    assert "then after 3 more with nothing of the grader's watching" in report.explain()
     assert "and after each of 3 more with the collector on" in report.explain()
+
+
+# -- the unwatched iterations: code that behaves only while measured, or hides from the meter --
+BIG = 64 * 1024          # floats: 256 KiB, far above what a leak-free step moves the heap
+
+
+def _kept_unless(watched, kept):
+    def step(i):
+        x = torch.ones(BIG)
+        if not watched():
+            kept.append(x)
+        return float(x[0])
+    return step
+
+
+def test_leaks_unless_a_dispatch_mode_is_active_is_caught_unwatched(collect_after):
+    kept = []
+    report = run_flat_check(_kept_unless(lambda: torch._C._len_torch_dispatch_stack() > 0, kept), iterations=8)
+    assert report.growth == [0] * 8 and not report.ok
+    assert report.heap_unwatched[-1] >= report.unwatched * BIG * 4
+    text = report.explain()
+    assert "run with nothing of the grader's in the process" in text and "the process's heap grew by" in text
+
+
+def test_leaks_unless_a_hook_is_in_gc_callbacks_is_caught_unwatched(collect_after):
+    kept = []
+    report = run_flat_check(_kept_unless(lambda: bool(gc.callbacks), kept), iterations=8)
+    assert report.growth == [0] * 8 and not report.ok, report.explain()
+
+
+def test_tensors_made_in_another_thread_are_caught_unwatched(collect_after):
+    import concurrent.futures
+    pool, kept = concurrent.futures.ThreadPoolExecutor(1), []
+
+    def step(i):
+        kept.append(pool.submit(torch.ones, BIG).result())      # the meter's dispatch mode is per thread
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    pool.shutdown()
+    assert report.growth == [0] * 8 and not report.ok
+    assert "another thread" in report.explain()
+
+
+def test_tensors_made_with_dispatch_turned_off_are_caught_unwatched(collect_after):
+    kept = []
+
+    def step(i):
+        with torch._C._DisableTorchDispatch():
+            kept.append(torch.ones(BIG))
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    assert report.growth == [0] * 8 and not report.ok
+
+
+def test_collecting_only_while_unwatched_is_caught(collect_after):
+    def step(i):
+        fixed_step(i)
+        if not gc.callbacks:
+            gc.collect()          # where no hook would see it
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    assert not report.ok and report.collections_unwatched >= 1
+    assert "the collector ran" in report.explain()
+
+
+def test_the_watched_iterations_are_the_same_with_an_unwatched_part():
+    seen = []
+    report = run_flat_check(lambda i: seen.append(i) or float(i), iterations=5, warmup=1, collector_on=4)
+    assert seen == list(range(10)) and report.results == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert report.results_unwatched == [6.0, 7.0] and report.results_collector_on == [8.0, 9.0]
+
+
+def test_a_meter_paused_sees_nothing_made_inside_and_counts_what_was_freed_inside():
+    from gclab.memory import Meter
+    with Meter("cpu") as meter:
+        kept = torch.ones(1024)
+        with meter.paused():
+            assert torch._C._len_torch_dispatch_stack() == 0 and meter._tracker._on_gc not in gc.callbacks
+            unseen = torch.ones(1024)
+            del kept
+        assert meter.allocated() == 0
+        seen = torch.ones(16)
+        assert meter.allocated() == 64
+    del unseen, seen
 
 
 def test_step_that_raises_is_reported_not_raised():
