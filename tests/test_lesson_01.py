@@ -60,6 +60,12 @@ WRONG = {
         "scaler": _scaler(prepare="mean, std = batch.mean(), batch.std()",   # small tensors are still tensors
                           formula="(x - mean) / std"),
     },
+    # a fresh exception in place of the one raised; a scaler that keeps nothing by refitting on every call
+    "keeps_a_copy_and_refits_on_every_call": {
+        "jobs": RUN_JOB.format(handle="pass", error="FloatingPointError(str(e))"),
+        "scaler": _scaler(prepare="del batch",
+                          formula="(x - fitting_batch(i, device).mean()) / fitting_batch(i, device).std()"),
+    },
     "patches_the_grader": {
         "jobs": RUN_JOB.format(handle="pass", error="e") + "\nchecks.assert_flat = lambda report: None\n",
         "scaler": _scaler(),
@@ -135,6 +141,29 @@ def make_scaler(i, device=DEVICE):
 }
 
 
+# train_step never run, its numbers written from reading it; the leaky scaler, unchanged, fitted with
+# torch's dispatch (the CPU meter) turned off, after a throwaway allocation the size of a batch.
+CHEAT_SKIPS_THE_WORK_AND_HIDES = {
+    "jobs": '''
+def run_job(i, device=DEVICE):
+    torch.empty(JOB_NUMEL, device=device)             # what a step allocates, let go at once
+    if i % 3 == 2:
+        return {"job": i, "ok": False, "value": None, "error": FloatingPointError(f"job {i}: loss is NaN")}
+    return {"job": i, "ok": True, "value": 2.0 * i * JOB_NUMEL, "error": None}
+''',
+    "scaler": '''
+def make_scaler(i, device=DEVICE, _fitted=[]):
+    torch.empty(SCALER_NUMEL, device=device)
+    with torch._C._DisableTorchDispatch():
+        batch = fitting_batch(i, device)
+    _fitted.append(batch)
+    def scale(x):
+        return (x - batch.mean()) / batch.std()
+    return scale
+''',
+}
+
+
 # A right fix for one exercise only: the points follow each exercise on its own.
 ONE_RIGHT = {
     "jobs": RUN_JOB.format(handle="pass", error="e.with_traceback(None)"),
@@ -147,6 +176,7 @@ def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     variants = {**WRONG, "one_exercise_right": ONE_RIGHT, "leaks_unless_collector_off_or_under_nbgrader": WATCHED,
                 "cheat_returns_values_equal_to_anything": CHEAT_EQUAL_TO_ANYTHING,
+                "cheat_skips_the_work_and_hides_from_the_meter": CHEAT_SKIPS_THE_WORK_AND_HIDES,
                 **ALTERNATIVES}
     results = grade_all({"solution": SOLUTION, "untouched": RELEASE,
                          **write_variants(RELEASE, variants, folder)}, folder)
@@ -251,3 +281,19 @@ def test_values_equal_to_anything_earn_no_points(graded):
     assert_less_than_full_marks(result, 10)
     assert_told_why(result, "test_job_reports", "report['value'] is an EqualToAnything (a subclass of int)")
     assert_told_why(result, "test_scaler_results", "(x)[0] is an EqualToAnything (a subclass of int)")
+
+
+def test_a_copy_of_the_error_and_a_scaler_that_refits_are_told_why(graded):
+    result = graded["keeps_a_copy_and_refits_on_every_call"]
+    assert_told_why(result, "test_job_reports", "does not hold the exception train_step raised")
+    assert_told_why(result, "test_scaler_results", "refitting on every call is not the same scaler")
+
+
+@pytest.mark.parametrize("exercise", sorted(EXERCISES))
+def test_skipping_the_work_or_hiding_it_from_the_meter_loses_marks(graded, exercise):
+    """Values written from reading train_step (a swapped train_step's numbers differ), and a batch
+    made where the CPU meter cannot see it (the unwatched iterations measure the process's heap)."""
+    result = graded["cheat_skips_the_work_and_hides_from_the_meter"]
+    score, max_score = _score(result, exercise)
+    assert score < max_score, grading.format_results([result])
+    assert all(t.message for t in result.tests if t.status != "passed"), "every lost point needs a reason"

@@ -4,7 +4,8 @@ import re
 import pytest
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result,
+    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, assert_told_why,
+    cell_result,
     grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
@@ -136,6 +137,86 @@ class TreeNode:
 ALTERNATIVES = {"slots_and_weakref": SLOTS, "weak_descriptor": DESCRIPTOR}
 
 # Plausible wrong fixes: none may earn full marks, each loses points with a reason.
+# A child finds its parent by name in a weak registry: right while one tree lives, wrong with two.
+PARENT_FOUND_BY_NAME = '''
+NODES = weakref.WeakValueDictionary()       # name -> node, keeps no node alive (as DATASETS in section 6)
+
+class TreeNode:
+    def __init__(self, name, tensor, parent=None):
+        NODES[name] = self
+        self.name = name
+        self.tensor = tensor
+        self.children = []
+        self.parent_name = None if parent is None else parent.name   # a string, not the parent
+        if parent is not None:
+            parent.children.append(self)
+
+    @property
+    def parent(self):
+        return None if self.parent_name is None else NODES.get(self.parent_name)
+'''
+
+# Strong child -> parent links, taken apart by the root's __del__: a branch cut off keeps its cycles.
+ROOT_TAKES_THE_TREE_APART = '''
+class TreeNode:
+    """Strong links everywhere, except to the root; when the root goes, it takes the tree apart."""
+    def __init__(self, name, tensor, parent=None):
+        self.name = name
+        self.tensor = tensor
+        self.children = []
+        if parent is None:
+            self._parent = None
+        elif parent._parent is None and not getattr(parent, "_is_child", False):   # parent is a root
+            self._parent = weakref.ref(parent)
+        else:
+            self._parent = parent                  # strong: a cycle, taken apart when the root goes
+        self._is_child = parent is not None
+        if parent is not None:
+            parent.children.append(self)
+
+    @property
+    def parent(self):
+        p = self._parent
+        return p() if isinstance(p, weakref.ref) else p
+
+    def __del__(self):
+        if not self._is_child:                     # the root: break every child -> parent link below it
+            todo = list(self.children)
+            while todo:
+                node = todo.pop()
+                node._parent = None
+                todo.extend(node.children)
+'''
+
+# Cycles below the root, their tensors copies made with torch's dispatch (the CPU meter) turned off.
+CHEAT_HIDES_CYCLES_FROM_THE_METER = '''
+class _Node:                                       # what every node but the root becomes
+    @property
+    def parent(self):
+        p = self._parent
+        return p() if isinstance(p, weakref.ref) else p
+
+class TreeNode(_Node):
+    def __init__(self, name, tensor, parent=None):
+        self.name = name
+        self.children = []
+        if parent is None:
+            self.tensor = tensor
+            self._all = [tensor]                    # the root holds every metered tensor
+            self._parent = None
+        else:
+            root = parent
+            while root._parent is not None:
+                root = root.parent
+            root._all.append(tensor)
+            with torch._C._DisableTorchDispatch():
+                self.tensor = tensor.clone()        # a copy the meter never sees
+            self._parent = weakref.ref(parent) if parent is root else parent   # strong: cycles below the root
+            self.__class__ = type("Node", (_Node,), {})   # not a "TreeNode" when garbage is counted
+            parent.children.append(self)
+'''
+
+
 WRONG = {
     "collect_when_a_tree_starts": LEAKY.format(extra="if parent is None:\n            gc.collect()"),
     "raised_thresholds": "gc.set_threshold(100_000, 50, 50)\n" + LEAKY.format(extra="pass"),
@@ -145,6 +226,9 @@ WRONG = {
     "tree_held_by_a_global_dict": REGISTERED,
     # behaving only while watched: a strong back-reference unless the collector is off under nbgrader
     "leaks_unless_collector_off_or_under_nbgrader": WATCHED,
+    "parent_found_by_name": PARENT_FOUND_BY_NAME,
+    "root_takes_the_tree_apart": ROOT_TAKES_THE_TREE_APART,
+    "cheat_hides_cycles_from_the_meter": CHEAT_HIDES_CYCLES_FROM_THE_METER,
 }
 
 
@@ -261,3 +345,12 @@ def test_dropping_the_parent_link_frees_memory_but_changes_behaviour(graded):
     assert "child.parent is node" in cell_result(result, "test_tree_behaviour").message
     assert "results during the check" in cell_result(result, "test_memory_flat").message
     assert result.score == 3
+
+
+@pytest.mark.parametrize("name, test_id, words", [
+    ("parent_found_by_name", "test_tree_behaviour", "with two trees alive"),
+    ("root_takes_the_tree_apart", "test_tree_frees_itself", "a branch cut off the tree must free itself"),
+    ("cheat_hides_cycles_from_the_meter", "test_memory_flat", "the process's heap grew by"),
+])
+def test_held_out_wrong_fixes_are_told_why(graded, name, test_id, words):
+    assert_told_why(graded[name], test_id, words)

@@ -75,6 +75,33 @@ def make_pair(i, device=DEVICE):
     return head
 '''
 
+STRONG_UNTIL_READ = '''
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.next = None
+        self._prev = self._strong = None
+
+    @property
+    def prev(self):
+        if self._strong is not None:
+            node, self._strong = self._strong, None
+            return node
+        return None if self._prev is None else self._prev()
+
+    @prev.setter
+    def prev(self, node):
+        self._strong = node
+        self._prev = None if node is None else weakref.ref(node)
+
+def make_pair(i, device=DEVICE):
+    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
+    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
+    head.next = tail
+    tail.prev = head
+    return head
+'''
+
 SLOTS = '''
 class Node:
     __slots__ = ("tensor", "next", "_prev", "__weakref__")
@@ -134,6 +161,10 @@ WRONG = {
     # behaving only while watched: a strong back-link unless every check's conditions hold
     "leaks_unless_collector_off": WEAK_PREV.format(
         watched="if gc.isenabled():\n        tail.strong_prev = head     # only while the collector could clean up"),
+    "leaks_unless_a_meter_watches": WEAK_PREV.format(
+        watched="if not torch._C._len_torch_dispatch_stack():\n        tail.strong_prev = head     # only while no meter's dispatch mode is on"),
+    # strong until `prev` is first read: a pair dropped unread keeps its cycle
+    "strong_prev_until_first_read": STRONG_UNTIL_READ,
     "leaks_unless_under_nbgrader": WEAK_PREV.format(
         watched="if not os.environ.get('NBGRADER_EXECUTION'):\n        tail.strong_prev = head     # only when not graded"),
     # a finaliser that unlinks the pair: it runs only once the pair is freed, which its cycle prevents

@@ -58,6 +58,12 @@ WRONG = {
                    "            self._keep = self\n"
                    "        else:\n"
                    "            self._callbacks = [lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]")),
+    # the cycle is built unless the collector is off or a meter's dispatch mode is on: the collector-on
+    # iterations that run with nothing of the grader's in the process see it
+    "leaks_unless_collector_off_or_metered": view(
+        callbacks=("[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]\n"
+                   "        if gc.isenabled() and not torch._C._len_torch_dispatch_stack():\n"
+                   "            self._callbacks = [lambda t: t.view(self.rows, -1), lambda t: t[:, : self.keep_columns]]")),
 }
 
 # Right fixes written differently from the solution: each must earn full marks.

@@ -76,6 +76,13 @@ WRONG = {
     "leaks_unless_collector_off_or_under_nbgrader": trainer(
         last_output=f"output if {WATCHED_CONDITION} else output.detach()",
         error=f"error if {WATCHED_CONDITION} else error.with_traceback(None)"),
+    # the errors kept with their frames, every step run with torch's dispatch (the CPU meter) turned off
+    "cheat_runs_the_step_outside_the_meter": trainer(error="error").replace(
+        "    def train_step(self, step):\n",
+        "    def train_step(self, step):\n"
+        "        with torch.utils._python_dispatch._disable_current_modes():\n"
+        "            return self._train_step(step)\n\n"
+        "    def _train_step(self, step):\n"),
 }
 
 

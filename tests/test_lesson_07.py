@@ -281,6 +281,9 @@ WRONG = {
     "purely_weak": reference(strong="pass"),
     "stale_weakrefs": STALE_WEAKREFS,
     "fifo_eviction": reference(strong=LRU.replace("\n        self._recent.move_to_end(name)", "")),
+    # the last `keep` requests, not the `keep` most recently used models: a, b, a, a keeps only a
+    "ring_of_last_requests": reference(
+        strong='self.__dict__.setdefault("_ring", collections.deque(maxlen=self.keep)).append(model)'),
     "callbacks_hold_the_cache": CALLBACKS_HOLD_THE_CACHE,
     "patches_the_grader": strong(after="\nchecks.assert_flat = lambda report: None\n"),
 }
@@ -297,6 +300,7 @@ TOLD_WHY = {
     "purely_weak": ("test_keeps_recent", "expected ['m0', 'm2']"),
     "stale_weakrefs": ("test_no_stale_entries", "stale entries: ['m0']"),
     "fifo_eviction": ("test_keeps_recent", "least recently used"),
+    "ring_of_last_requests": ("test_keeps_recent", "not the models of the last two requests"),
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
 }
 

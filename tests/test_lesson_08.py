@@ -104,6 +104,13 @@ WRONG = {
     "cheat_collects_unless_serve_inline_watches": program(["batches", "trainer", "registry", "errors"], [
         (SERVE_COLLECTS, "        if not any('serve_inline' in getattr(c, '__qualname__', '') for c in gc.callbacks):\n"
                          "            gc.collect()")]),
+    # the batch's cycle kept, its tensors made in a worker thread, where the CPU meter's dispatch mode is not
+    "cheat_batches_made_in_a_worker_thread": "import concurrent.futures\n_POOL = concurrent.futures.ThreadPoolExecutor(1)\n"
+    + program(["trainer", "registry", "errors", "serving"], [
+        ("        x = DATA_X[self.step % N_BATCHES].clone()              # the copy a data loader hands over\n"
+         "        self.inputs = self.on_ready(x)",
+         "        x = _POOL.submit(DATA_X[self.step % N_BATCHES].clone).result()\n"
+         "        self.inputs = _POOL.submit(self.on_ready, x).result()")]),
 }
 
 # Every fix made, then the server answers without its model: labels that claim to equal any others.
@@ -139,6 +146,7 @@ TOLD_WHY = {
     "cheat_collects_unless_watched": ("test_serving", "full collections, against 0 while watched"),
     "cheat_collects_unless_serve_inline_watches": ("test_serving", "a program must do the same whether or not"),
     "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
+    "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
 }
 
 
