@@ -267,7 +267,20 @@ def verdicts(readings):
 '''
 
 # Each submission fills both answer cells: one plausible wrong answer per exercise, or two.
+ACCOUNT_RESERVED_AS_PEAK = ACCOUNT_RIGHT.replace('"reserved": meter.reserved()', '"reserved": meter.peak()')
+MEASURE_COLLECTOR_ON = MEASURE_RIGHT.replace("with gc_disabled(), Meter(device) as meter:", "with Meter(device) as meter:"
+                                             ).replace("        tensor = make_tensor()\n",
+                                                       "        tensor = make_tensor()\n        gc.collect()\n")
+MEASURE_SKIPS_FIRST_EMPTY_CACHE = MEASURE_RIGHT.replace("torch.cuda.empty_cache()", "pass", 1)
+MEASURE_RESERVED_MINUS_BASELINE = MEASURE_RIGHT.replace("start = meter.reserved()", "start = meter.baseline")
+VERDICTS_SPARES_IF_ANYTHING_LEFT = VERDICTS_RIGHT.replace(
+    'readings["alive_after_empty_cache"] == readings["alive"]', 'readings["alive_after_empty_cache"] > 0')
+
 SUBMISSIONS = {
+    "reserved_as_peak_collector_on_spares_if_anything_left": (
+        STORAGE_RIGHT + ACCOUNT_RESERVED_AS_PEAK, MEASURE_COLLECTOR_ON + VERDICTS_SPARES_IF_ANYTHING_LEFT),
+    "skips_the_first_empty_cache": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_SKIPS_FIRST_EMPTY_CACHE + VERDICTS_RIGHT),
+    "reserved_minus_the_meters_baseline": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_RESERVED_MINUS_BASELINE + VERDICTS_RIGHT),
     "numel_count_and_seed_verdict": (STORAGE_NUMEL + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_SEED),
     "reads_torch_cuda_directly": (STORAGE_NOT_DEDUPLICATED + ACCOUNT_CUDA_COUNTERS,
                                   MEASURE_CUDA_COUNTERS + VERDICTS_RIGHT),
@@ -333,10 +346,22 @@ WRONG_ANSWERS = {
     "reserved half of the claim judged from allocated memory": ("verdict_from_allocated_only", "test_claim_verdicts"),
     "a figure that fell at del counted as waiting for empty_cache()": (
         "verdict_from_the_fall_at_empty_cache_only", "test_claim_verdicts"),
+    "reserved read as peak (the same until something empties the cache)": (
+        "reserved_as_peak_collector_on_spares_if_anything_left", "test_account"),
+    "measured with the collector on, collecting before each reading": (
+        "reserved_as_peak_collector_on_spares_if_anything_left", "test_release_readings"),
+    "empty_cache() judged to spare live tensors if anything is left": (
+        "reserved_as_peak_collector_on_spares_if_anything_left", "test_claim_verdicts"),
+    "no empty_cache() while the tensor is alive": ("skips_the_first_empty_cache", "test_release_readings"),
+    "reserved readings taken from the meter's baseline (allocated)": (
+        "reserved_minus_the_meters_baseline", "test_release_readings"),
 }
 
 # Right answers inside a wrong submission still earn their points.
 EARNED = {
+    "reserved_as_peak_collector_on_spares_if_anything_left": {"test_storage_bytes"},
+    "skips_the_first_empty_cache": {"test_storage_bytes", "test_account", "test_claim_verdicts"},
+    "reserved_minus_the_meters_baseline": {"test_storage_bytes", "test_account", "test_claim_verdicts"},
     "numel_count_and_seed_verdict": {"test_account", "test_release_readings"},
     "reads_torch_cuda_directly": {"test_claim_verdicts"},
     "literal_answers_without_measuring": {"test_storage_bytes"},
