@@ -581,3 +581,43 @@ def test_plain_is_one_of_the_functions_the_checks_vouch_for():
         assert "gclab.checks.plain" in checks.integrity_problems()
     finally:
         checks.plain = original
+
+
+def test_tensors_hidden_from_the_meter_only_while_it_watches_are_caught(collect_after):
+    import concurrent.futures
+    pool, kept = concurrent.futures.ThreadPoolExecutor(1), []
+
+    def step(i):
+        if torch._C._len_torch_dispatch_stack():               # a meter is on: hide from it
+            kept.append(pool.submit(torch.ones, BIG).result())
+        return i                                                # and behave when nothing watches
+
+    report = run_flat_check(step, iterations=8)
+    pool.shutdown()
+    assert report.growth == [0] * 8 and not report.ok and report.heap_watched >= 8 * BIG * 4
+    assert not report.heap_unwatched, "judged before the unwatched iterations"
+    assert "the meter saw memory come back after each of 8 iterations, yet the process's heap grew" in report.explain()
+
+
+def test_keeping_every_result_is_not_taken_for_hidden_tensors():
+    report = run_flat_check(lambda i: {"step": i, "values": [float(i)] * 100, "label": f"step {i}"}, iterations=40)
+    assert report.ok, report.explain()
+    assert report.heap_watched <= report.HEAP_SLACK + report.HEAP_PER_WATCHED_ITERATION * 40
+
+
+def test_tensor_results_kept_as_numbers_are_not_taken_for_hidden_tensors():
+    report = run_flat_check(lambda i: torch.full((4096,), float(i)), iterations=20)   # each kept as 4,096 floats
+    assert report.ok, report.explain()
+
+
+def test_memory_kept_while_a_result_is_converted_is_not_taken_for_the_conversion(collect_after):
+    kept = []
+
+    class Sneaky(torch.Tensor):
+        def tolist(self):
+            with torch._C._DisableTorchDispatch():
+                kept.append(torch.ones(BIG))          # kept while the check converts the result
+            return super().tolist()
+
+    report = run_flat_check(lambda i: torch.zeros(4).as_subclass(Sneaky), iterations=8)
+    assert not report.ok and report.heap_watched >= 8 * BIG * 4 - 64 * 1024, report
