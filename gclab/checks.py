@@ -76,10 +76,10 @@ class FlatReport:
     results_collector_on: list = field(default_factory=list)
     held: "HeldReport | None" = None                           # with run_flat_check(holder=...): who holds it
     unwatched: int = 0
-    results_unwatched: list = field(default_factory=list)
     heap_watched: int | None = None                            # heap bytes gained over the watched iterations,
                                                                # beyond what keeping their results costs
     heap_unwatched: list[int] = field(default_factory=list)    # heap bytes above the unwatched part's start
+    blocks_unwatched: list[int] = field(default_factory=list)  # Python objects (small blocks) above it
     device_unwatched: list[int] = field(default_factory=list)  # CUDA: allocated bytes above it
     heap_collector_on: list[int] = field(default_factory=list)  # heap bytes above the collector-on part's start
     collections_unwatched: int = 0
@@ -112,6 +112,10 @@ class FlatReport:
     # ... and over the watched iterations, beyond the results kept as data: the meter's bookkeeping
     # (measured: at most 2 KiB per iteration)
     HEAP_PER_WATCHED_ITERATION = 8 * 1024
+    # Python's small objects (floats, short lists, dicts: sys.getallocatedblocks) the unwatched
+    # iterations may add: an entry or two in a history list per step is a few; a copy of a step's
+    # outputs as numbers is thousands
+    BLOCKS_SLACK, BLOCKS_PER_UNWATCHED_ITERATION = 256, 64
 
     @property
     def ok_so_far(self) -> bool:
@@ -128,7 +132,14 @@ class FlatReport:
     @property
     def _unwatched_ok(self) -> bool:
         return (max(self.heap_unwatched, default=0) <= self.HEAP_SLACK and not any(self.device_unwatched)
-                and not self.collections_unwatched)
+                and not self.collections_unwatched and not self._objects_kept_unwatched)
+
+    @property
+    def _objects_kept_unwatched(self) -> int:
+        """Python objects the unwatched iterations kept beyond the allowance (0 if within it)."""
+        kept = max(self.blocks_unwatched, default=0)
+        allowed = self.BLOCKS_SLACK + self.BLOCKS_PER_UNWATCHED_ITERATION * len(self.blocks_unwatched)
+        return kept if kept > allowed else 0
 
     @property
     def ok(self) -> bool:
@@ -141,11 +152,12 @@ class FlatReport:
         return [f"the meter saw memory come back after each of {len(self.growth)} iterations, yet the process's heap "
                 f"grew by {format_bytes(self.heap_watched)} meanwhile (about "
                 f"{format_bytes(self.heap_watched / max(len(self.growth), 1))} per iteration): the code keeps "
-                "tensors the meter cannot see (made in another thread, or with torch's dispatch turned off). "
-                "They are memory all the same."]
+                "memory the meter cannot see: tensors made in another thread or with torch's dispatch turned off, "
+                "or copies of their data (lists of numbers, numpy arrays). They are memory all the same."]
 
     def _explain_unwatched(self) -> list[str]:
-        where = (f"in {self.unwatched} more iterations with the collector off, run with nothing of the "
+        where = (f"in {self.unwatched} more iteration{'s' if self.unwatched != 1 else ''} with the collector off, "
+                 "run with nothing of the "
                  "grader's in the process (no meter, no hook in gc.callbacks)")
         lines = []
         grew = max(self.heap_unwatched, default=0)
@@ -156,6 +168,12 @@ class FlatReport:
                 "keeps memory alive when it is not measured, or makes tensors where the meter cannot see "
                 "them (another thread, torch's dispatch turned off). A fix must free its memory whether "
                 "or not anything watches it.")
+        if self._objects_kept_unwatched:
+            lines.append(
+                f"{where}, the process kept {self._objects_kept_unwatched:,} more Python objects (about "
+                f"{self._objects_kept_unwatched // len(self.blocks_unwatched):,} per iteration): the code keeps "
+                "a copy of what each step made (numbers, lists, requests). Keep per step only what is needed, "
+                "a number or two.")
         if any(self.device_unwatched):
             lines.append(f"{where}, the device's allocated memory grew by {format_bytes(max(self.device_unwatched))}.")
         if self.collections_unwatched:
@@ -299,22 +317,38 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
 
 def _kept_as_data(step, i):
     """`step(i)`'s result as plain data, and what keeping it that way costs the process's heap
-    (0 where the heap cannot be read): the check's own cost, not the step's.  Never more than the
-    data's own size, so that a result cannot pass off memory it keeps as the cost of converting it."""
+    (0 where the heap cannot be read): the check's own cost, not the step's.  Credited only for
+    data made of Python's own types and plain tensors, whose conversion runs none of the
+    learner's code, and never more than the data's own size: a result cannot pass off memory
+    it keeps as the cost of converting it."""
     result = step(i)
     before = process_memory()
     plain = _plain(result)
-    if before is None:
+    if before is None or not _is_plain_data(result):
         return plain, 0
     return plain, min(process_memory().heap - before.heap, _data_bytes(plain))
 
 
+_PLAIN_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def _is_plain_data(value, depth: int = 0) -> bool:
+    kind = type(value)
+    if kind in _PLAIN_TYPES or kind is torch.Tensor:
+        return True
+    if depth < 8 and kind in (list, tuple):
+        return all(_is_plain_data(item, depth + 1) for item in value)
+    if depth < 8 and kind is dict:
+        return all(_is_plain_data(k, depth + 1) and _is_plain_data(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def _data_bytes(value, depth: int = 0) -> int:
-    """An upper bound on the bytes plain data (numbers, strings, nested containers) takes."""
+    """An upper bound on the bytes plain data (numbers, strings, nested lists, tuples and dicts) takes."""
     size = sys.getsizeof(value, 0)
-    if depth < 8 and isinstance(value, (list, tuple, set, frozenset)):
+    if depth < 8 and type(value) in (list, tuple):
         size += sum(_data_bytes(item, depth + 1) for item in value)
-    elif depth < 8 and isinstance(value, dict):
+    elif depth < 8 and type(value) is dict:
         size += sum(_data_bytes(k, depth + 1) + _data_bytes(v, depth + 1) for k, v in value.items())
     return size
 
@@ -328,22 +362,21 @@ def _run_unwatched(step, report: FlatReport, start: int) -> None:
     count above their values before it, after each iteration, and the collections that ran."""
     if not report.unwatched:
         return
-    # readings go into arrays made beforehand, so that keeping them allocates nothing
-    heap, device = (array.array("q", bytes(8 * report.unwatched)) for _ in range(2))
-    results = [None] * report.unwatched
+    # readings go into arrays made beforehand, and results are not kept, so that the check
+    # itself allocates nothing between readings: all they show is the step's
+    heap, blocks, device = (array.array("q", bytes(8 * report.unwatched)) for _ in range(3))
     collections, device_start, before = _collections_so_far(), _device_bytes(report.device), process_memory()
-    kept = 0
     for n in range(report.unwatched):
-        results[n], cost = _kept_as_data(step, start + n)
-        kept += cost
-        heap[n] = process_memory().heap - before.heap - kept
+        step(start + n)
+        now = process_memory()
+        heap[n], blocks[n] = now.heap - before.heap, now.blocks - before.blocks
         device[n] = _device_bytes(report.device) - device_start
         if gc.isenabled():
             report.reenabled_gc = True
             gc.disable()
     report.collections_unwatched = _collections_so_far() - collections
-    report.results_unwatched = results
-    report.heap_unwatched, report.device_unwatched = list(heap), list(device)
+    report.heap_unwatched, report.blocks_unwatched = list(heap), list(blocks)
+    report.device_unwatched = list(device)
 
 
 def _device_bytes(device) -> int:

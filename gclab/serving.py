@@ -360,13 +360,30 @@ def _replaced(before: dict, module=None, snapshot=_snapshot) -> list[str]:
             for (owner, attr), value in before.items() if now.get((owner, attr), _snapshot) is not value]
 
 
-def _audit(record, state, on_gc, guard, full_cpu, token, before):
+# What the server's record and its count of garbage are made of: the state's parts (not the
+# figures it updates as it serves), the cache's, and what the gc hook holds.
+_STATE_PARTS = ("model", "heap", "cache", "hooks", "attribution", "explanations", "freed_times", "_refs", "_on_free")
+
+
+def _parts(state, on_gc) -> dict:
+    parts = {f"the server's state.{name}": getattr(state, name, None) for name in _STATE_PARTS}
+    parts.update({f"the server's cache.{name}": value for name, value in vars(state.cache).items()})
+    parts["the server's gc hook's code"] = on_gc.__code__
+    parts.update({f"the server's gc hook's {name}": cell.cell_contents
+                  for name, cell in zip(on_gc.__code__.co_freevars, on_gc.__closure__ or ())})
+    return parts
+
+
+def _audit(record, state, on_gc, guard, full_cpu, token, before, parts):
     """What the trace endpoint reports, checked against what CPython counted itself."""
     garbage, callbacks, module, replaced = state.garbage, gc.callbacks, sys.modules[__name__], _replaced
+    parts_now = _parts
 
     def report(reset: bool = False) -> dict:
         data = record(("reset" if reset else "read", token), wait=True)
         problems = list(data.pop("forged")) + replaced(before, module)
+        now = parts_now(state, on_gc)
+        problems += [f"{what} was replaced" for what, value in parts.items() if now.get(what) is not value]
         if on_gc not in callbacks:
             problems.append("the server's gc.callbacks hook was removed")
         elif callbacks.count(on_gc) != 1:
@@ -534,9 +551,9 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     build, watch_idle, garbage = build_app, _watch_idle_and_parent, state.garbage
     import starlette.responses  # noqa: F401  (loaded before the guard takes its manifest)
     import starlette.routing  # noqa: F401
-    before = _snapshot()
+    before, parts = _snapshot(), _parts(state, on_gc)
     guard = _install_guard(policy)
-    report = _audit(record, state, on_gc, guard, full_cpu, token, before)
+    report = _audit(record, state, on_gc, guard, full_cpu, token, before, parts)
     gc.callbacks.append(on_gc)
     record(("reset", token), wait=True)
     trace_sock = socket.socket()

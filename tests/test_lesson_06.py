@@ -62,6 +62,34 @@ WRONG = {
         "    server.ServerState.garbage = lambda self: {'explanations_alive': 0, 'cached': 0,\n"
         "                                               'uncollected': 0, 'peak_uncollected': 0}\n"
         "    gc.disable()\n"),
+    # the server's gc hook keeps its clocks in its closure: clocks that stand still record every
+    # collection at 0 s of CPU
+    "cheat_stops_the_hooks_clocks": _policy(
+        "def on_startup():\n"
+        "    for hook in list(gc.callbacks):\n"
+        "        code = getattr(hook, '__code__', None)\n"
+        "        if code is not None and 'send' in code.co_freevars:\n"
+        "            for name, cell in zip(code.co_freevars, hook.__closure__):\n"
+        "                if name in ('perf_counter', 'thread_time'):\n"
+        "                    cell.cell_contents = float\n"),
+    # the server's state, reached through uvicorn's signal handler: its set of live explanations
+    # swapped for one that never counts them, with the collector off for good
+    "cheat_blinds_the_servers_garbage_count": _policy(
+        "import signal\n"
+        "class _Blind(set):\n"
+        "    def add(self, item):\n"
+        "        pass\n"
+        "def on_startup():\n"
+        "    gc.disable()\n"
+        "_done = []\n"
+        "def before_request(in_flight):\n"
+        "    if not _done:\n"
+        "        app = signal.getsignal(signal.SIGTERM).__self__.config.loaded_app\n"
+        "        while getattr(app, '__closure__', None) is None:\n"
+        "            app = app.app\n"
+        "        dict(zip(app.__code__.co_freevars, (c.cell_contents for c in app.__closure__)))['state']"
+        ".explanations = _Blind()\n"
+        "        _done.append(1)\n"),
     # the server imports uvicorn once it has started: a uvicorn.py beside the notebook that
     # deletes the feature (no per-token objects) would let the default collector pass
     "cheat_shadows_the_servers_imports": {"answer_policy": (
@@ -181,6 +209,15 @@ def test_a_policy_that_rewrites_the_servers_garbage_count_is_caught(graded):
     message = _message(graded["rewrites_the_servers_garbage_count"])
     assert "tampered" in message and "ServerState.garbage was replaced" in message, message
     assert "over the bound" in message, "the server's own count still sees the garbage"
+
+
+@pytest.mark.parametrize("name, replaced", [
+    ("cheat_stops_the_hooks_clocks", "the server's gc hook's thread_time was replaced"),
+    ("cheat_blinds_the_servers_garbage_count", "the server's state.explanations was replaced"),
+])
+def test_a_policy_that_rebinds_the_servers_instruments_is_caught(graded, name, replaced):
+    message = _message(graded[name])
+    assert "tampered" in message and replaced in message, message
 
 
 def test_contended_verdicts_do_not_move(graded):
