@@ -616,7 +616,14 @@ class PolicyReport:
             "collector pauses within budget": readable and self.full_collection_cpu > 0
                                               and self.pause_p99 <= self.pause_limit,
             "garbage bounded": readable and self.peak_garbage <= self.garbage_bound,
+            "garbage collectable": readable and self.garbage_never_freed <= self.garbage_bound // 20,
         }
+
+    @property
+    def garbage_never_freed(self) -> int:
+        """Garbage still alive after the server's own full collection at the end: frozen while in
+        use (gc.freeze()), it can never be collected."""
+        return self.policy.trace.garbage.get("left_after_full_collection", 0)
 
     @property
     def freed_while_serving(self) -> int:
@@ -629,7 +636,7 @@ class PolicyReport:
         not even in the idle time after the load.  (Unanswered requests, and pauses or garbage a little over budget, can
         come from a machine too busy to serve the load, and are measured again.)"""
         checks, facts = self.checks, []
-        for name in ("record vouched for", "no full collection inside a request"):
+        for name in ("record vouched for", "no full collection inside a request", "garbage collectable"):
             if not checks[name] and not self.policy.trace.info.get("unavailable"):
                 facts.append(name)
         if not checks["collector pauses within budget"] and self.full_collection_cpu > 0 \
@@ -694,6 +701,11 @@ class PolicyReport:
                 lines.append(f"{seen}, over the bound of {self.garbage_bound}: the cycles the server makes wait too "
                              "long for a collection (or never get one), so memory grows while the server is busy. "
                              "Switching the collector off, or collecting only once the load is over, is not a fix.")
+            if not checks["garbage collectable"]:
+                lines.append(f"{self.garbage_never_freed} responses' worth of garbage were still alive after the "
+                             "server's own full collection at the end: objects frozen (gc.freeze()) while in use are "
+                             "never collected once they die, so memory grows for as long as the server runs. Freeze "
+                             "once, after warm-up, what lives for good.")
         if self.failures:
             lines.append("Errors: " + "; ".join(self.failures[:5]))
         if self.first_failures:

@@ -312,7 +312,7 @@ def _answer_traces(sock, report, encode):
         try:
             conn.settimeout(10)
             command = conn.recv(64).strip()
-            conn.sendall(encode(report(reset=command == b"reset")).encode())
+            conn.sendall(encode(report(reset=command == b"reset", final=command == b"final")).encode())
         except Exception as exc:        # a broken connection must not end the endpoint
             try:
                 conn.sendall(encode({"error": f"{type(exc).__name__}: {exc}"}).encode())
@@ -377,9 +377,9 @@ def _parts(state, on_gc) -> dict:
 def _audit(record, state, on_gc, guard, full_cpu, token, before, parts):
     """What the trace endpoint reports, checked against what CPython counted itself."""
     garbage, callbacks, module, replaced = state.garbage, gc.callbacks, sys.modules[__name__], _replaced
-    parts_now = _parts
+    parts_now, collect = _parts, gc.collect
 
-    def report(reset: bool = False) -> dict:
+    def report(reset: bool = False, final: bool = False) -> dict:
         data = record(("reset" if reset else "read", token), wait=True)
         problems = list(data.pop("forged")) + replaced(before, module)
         now = parts_now(state, on_gc)
@@ -407,6 +407,11 @@ def _audit(record, state, on_gc, guard, full_cpu, token, before, parts):
             "guarded": guard is not None,
         })
         data["recording_intact"] = not data["tampered"]
+        if final:
+            # after the record is read, one full collection of the server's own: garbage still
+            # alive after it can never be freed (frozen while in use: gc.freeze())
+            collect()
+            data["garbage"]["left_after_full_collection"] = garbage()["uncollected"]
         if reset:
             state.idle_calls, state.errors, state.idle_call_times = [], [], []
             del state.freed_times[:]
@@ -957,14 +962,16 @@ class ModelServer:
         self.stop()
         return False
 
-    def trace(self, reset: bool = False, timeout: float = 10) -> Trace:
+    def trace(self, reset: bool = False, timeout: float = 10, final: bool = False) -> Trace:
         """What the server recorded (its trace endpoint answers on a thread of its own, so even a
         server still busy with a backlog answers); if it cannot answer within `timeout` seconds
-        (stopped, or stuck), a Trace that says so and records nothing."""
+        (stopped, or stuck), a Trace that says so and records nothing.  `final`: the last reading,
+        after which the server runs a full collection and adds the garbage still alive after it
+        (`garbage["left_after_full_collection"]`)."""
         import socket
         try:
             with socket.create_connection(("127.0.0.1", self.trace_port), timeout=timeout) as conn:
-                conn.sendall(b"reset\n" if reset else b"read\n")
+                conn.sendall(b"reset\n" if reset else b"final\n" if final else b"read\n")
                 chunks = []
                 while chunk := conn.recv(1 << 16):
                     chunks.append(chunk)
@@ -1030,7 +1037,7 @@ def measure(name: str, rate: float = 250.0, duration: float = 3.5, settle: float
     with ModelServer(**server_options) as server:
         load = run_load(server.url, rate=rate, duration=duration, seed=seed)
         time.sleep(settle)
-        return ServedRun(name, load, server.trace())
+        return ServedRun(name, load, server.trace(final=True))
 
 
 def compare(configs: dict, repeats: int = 3, rate: float = 250.0, duration: float = 3.0, settle: float = 0.2,

@@ -52,6 +52,11 @@ WRONG = {
     "collect_only_when_the_load_is_over": _policy(
         "def on_startup():\n    gc.freeze()\n    gc.set_threshold(700, 10, 10**9)\n"
         "def on_idle(idle_seconds):\n    if idle_seconds > 0.2:\n        gc.collect()\n"),
+    # what survived an idle collection frozen too: responses cached then are never collected once evicted
+    "refreezes_after_every_idle_collection": _policy(
+        "def on_startup():\n    gc.freeze()\n    young, middle, _ = gc.get_threshold()\n"
+        "    gc.set_threshold(young, middle, 10**9)\n"
+        "def on_idle(idle_seconds):\n    if gc.get_count()[2] > 0:\n        gc.collect()\n        gc.freeze()\n"),
     "unhooks_the_recording": _policy(
         "def before_request(in_flight):\n    gc.callbacks.clear()\n"),
     # the server runs as `python -m gclab.serving`: its module is sys.modules["__main__"]
@@ -209,6 +214,11 @@ def test_a_policy_that_rewrites_the_servers_garbage_count_is_caught(graded):
     message = _message(graded["rewrites_the_servers_garbage_count"])
     assert "tampered" in message and "ServerState.garbage was replaced" in message, message
     assert "over the bound" in message, "the server's own count still sees the garbage"
+
+
+def test_freezing_while_serving_is_told_its_garbage_is_never_freed(graded):
+    message = _message(graded["refreezes_after_every_idle_collection"])
+    assert "still alive after the server's own full collection at the end" in message, message
 
 
 @pytest.mark.parametrize("name, replaced", [
