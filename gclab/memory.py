@@ -494,9 +494,6 @@ class ProcessMemory:
     heap: int
     blocks: int
 
-    def __sub__(self, other: "ProcessMemory") -> "ProcessMemory":
-        return ProcessMemory(self.heap - other.heap, self.blocks - other.blocks)
-
 
 def _mallinfo2():
     try:

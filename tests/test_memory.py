@@ -757,3 +757,32 @@ def test_metering_does_not_import_torch_compile():
             "    (torch.ones(4) * 2).sum()\nprint(any(name.startswith('torch._dynamo') for name in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_meter_paused_sees_nothing_made_inside_and_counts_what_was_freed_inside():
+    with Meter("cpu") as meter:
+        kept = torch.ones(1024)
+        with meter.paused():
+            assert torch._C._len_torch_dispatch_stack() == 0 and meter._tracker._on_gc not in gc.callbacks
+            unseen = torch.ones(1024)
+            del kept
+        assert meter.allocated() == 0
+        seen = torch.ones(16)
+        assert meter.allocated() == 64
+    del unseen, seen
+
+
+def test_process_memory_sees_a_tensor_made_in_another_thread():
+    import threading
+    from gclab.memory import process_memory
+    before = process_memory()
+    if before is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+    kept, MiB = [], 1024 * 1024
+    worker = threading.Thread(target=lambda: kept.append(torch.ones(MiB // 4)))
+    worker.start()
+    worker.join()
+    holding = process_memory().heap
+    assert holding - before.heap >= MiB - 64 * 1024              # whatever else the process freed meanwhile
+    del kept[:]
+    assert holding - process_memory().heap >= MiB - 64 * 1024    # given back the moment it is freed
