@@ -150,7 +150,7 @@ class FlatReport:
     def _explain_hidden(self) -> list[str]:
         if not self._hidden_from_the_meter:
             return []
-        return [f"the meter saw memory come back after each of {len(self.growth)} iterations, yet the process's heap "
+        return [f"the meter saw memory come back after each of {len(self.growth)} iterations, yet the process's memory "
                 f"grew by {format_bytes(self.heap_watched)} meanwhile (about "
                 f"{format_bytes(self.heap_watched / max(len(self.growth), 1))} per iteration): the code keeps "
                 "memory the meter cannot see: tensors made in another thread or with torch's dispatch turned off, "
@@ -164,7 +164,7 @@ class FlatReport:
         grew = max(self.heap_unwatched, default=0)
         if grew > self.HEAP_SLACK:
             lines.append(
-                f"{where}, the process's heap grew by {format_bytes(grew)} (about "
+                f"{where}, the process's memory grew by {format_bytes(grew)} (about "
                 f"{format_bytes(self.heap_unwatched[-1] / len(self.heap_unwatched))} per iteration): the code "
                 "keeps memory alive when it is not measured, or makes tensors where the meter cannot see "
                 "them (another thread, torch's dispatch turned off). A fix must free its memory whether "
@@ -186,7 +186,7 @@ class FlatReport:
     def explain(self) -> str:
         if self.ok:
             unwatched = (f", then after {self.unwatched} more with nothing of the grader's watching (measured "
-                         "by the process's heap)" if self.unwatched else "")
+                         "by the process's memory: its heap and mappings)" if self.unwatched else "")
             also = (f", and after each of {self.with_collector_on} more with the collector on"
                     if self.with_collector_on else "")
             return (f"memory was back at its baseline after each of {self.iterations} iterations "
@@ -251,9 +251,9 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     memory must be back at that baseline, to the byte, and no collection (automatic or
     explicit) may run.  In the unwatched iterations the meter is paused (no dispatch mode) and
     no hook is in gc.callbacks, so code cannot behave well only while watched.  Where the
-    process's heap can be read (`process_memory`: every CPU tensor's bytes, whichever thread
-    made them), the first half of them run with the collector off and must leave the heap, the
-    CUDA allocator's count and the collector's statistics where they were; the rest run with
+    process's memory can be read (`process_memory`: every CPU tensor's bytes, whichever thread
+    made them and however), the first half of them run with the collector off and must leave
+    the process's memory, the CUDA allocator's count and the collector's statistics where they were; the rest run with
     the collector on, where collections may run but memory must still be back at (or below)
     its level before them after every iteration: a fix must not depend on the collector being
     off.  Elsewhere they all run with the collector on, measured by the meter.  The collector's
@@ -293,7 +293,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                             report.reenabled_gc = True
                             gc.disable()
                 if heap_start is not None:
-                    report.heap_watched = _settled_memory().heap - heap_start.heap - kept
+                    report.heap_watched = _settled_memory().total - heap_start.total - kept
                 report.collections = list(watch.collections)
                 if report.ok_so_far:
                     with meter.paused() if unwatched else contextlib.nullcontext():
@@ -323,7 +323,7 @@ def _settled_memory():
     for _ in range(3 if best is not None else 0):
         time.sleep(0.001)
         now = process_memory()
-        best = ProcessMemory(min(best.heap, now.heap), min(best.blocks, now.blocks))
+        best = ProcessMemory(min(best.heap, now.heap), min(best.blocks, now.blocks), min(best.mapped, now.mapped))
     return best
 
 
@@ -338,7 +338,8 @@ def _kept_as_data(step, i):
     plain = _plain(result)
     if before is None or not _is_plain_data(result):
         return plain, 0
-    return plain, min(process_memory().heap - before.heap, _data_bytes(plain))
+    # never below 0: with the collector on, a collection during the conversion frees older garbage
+    return plain, max(0, min(process_memory().total - before.total, _data_bytes(plain)))
 
 
 _PLAIN_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})
@@ -381,7 +382,7 @@ def _run_unwatched(step, report: FlatReport, start: int) -> None:
     for n in range(report.unwatched):
         step(start + n)
         now = _settled_memory()
-        heap[n], blocks[n] = now.heap - before.heap, now.blocks - before.blocks
+        heap[n], blocks[n] = now.total - before.total, now.blocks - before.blocks
         device[n] = _device_bytes(report.device) - device_start
         if gc.isenabled():
             report.reenabled_gc = True
@@ -412,7 +413,7 @@ def _run_collector_on(step, meter, report: FlatReport, start: int) -> None:
             kept += cost
             report.growth_collector_on.append(meter.allocated() - baseline)
             if report.unwatched:
-                report.heap_collector_on.append(_settled_memory().heap - heap_baseline.heap - kept)
+                report.heap_collector_on.append(_settled_memory().total - heap_baseline.total - kept)
     finally:
         gc.disable()
 

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from .cycles import instance_attributes
-from .memory import device_storage, format_bytes, _expired, _free_weak_ref
+from .memory import device_storage, format_bytes
 
 __all__ = ["HeldBytes", "HeldReport", "Holding"]
+
+# torch's C-level weak references to a storage: they keep no Python object alive
+_expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
 
 _SKIPPED = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType,
             weakref.ref, weakref.ProxyType, weakref.CallableProxyType, property, staticmethod,

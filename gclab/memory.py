@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -486,13 +489,27 @@ class Meter:
 
 @dataclass(frozen=True)
 class ProcessMemory:
-    """What the whole process holds, read from outside torch: `heap`, the bytes in use in the C
-    library's heap (glibc's `mallinfo2`: where every CPU tensor's storage lives, whichever thread
-    made it, with or without a dispatch mode), and `blocks`, Python's small-object blocks in use
-    (`sys.getallocatedblocks`).  Neither needs anything installed in the process, so code
-    cannot tell it is being read; neither is exact per tensor, so judge growth over many steps."""
+    """What the whole process holds, read from outside torch, so that code cannot tell it is
+    being read and no tensor escapes it, whichever thread made it and however:
+
+    * `heap`: bytes in use in the C library's heap (glibc's `mallinfo2`), where torch's CPU
+      allocator puts every tensor's storage;
+    * `mapped`: bytes of memory mapped by other routes (`mmap`: a tensor made with
+      `torch.frombuffer` over an `mmap.mmap`, shared memory): the process's anonymous private
+      mappings (`/proc/self/maps`) and its resident shared memory (RssShmem), less the C heap's
+      own mappings, Python's small-object arenas and threads' stacks;
+    * `blocks`: Python's small-object blocks in use (`sys.getallocatedblocks`).
+
+    None is exact per tensor (the heap rounds, mappings come in pages), so judge `total`'s growth
+    over many steps."""
     heap: int
     blocks: int
+    mapped: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes the process holds in its heap and its other mappings."""
+        return self.heap + self.mapped
 
 
 def _mallinfo2():
@@ -511,15 +528,88 @@ def _mallinfo2():
     return read
 
 
-_MALLINFO2 = _mallinfo2()       # bound at import, before any learner's code runs
+# bound at import, before any learner's code runs
+_MALLINFO2 = _mallinfo2()
+_SHARED = re.compile(rb"^RssShmem:\s+(\d+) kB", re.MULTILINE)
+_MAPPING = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)$", re.MULTILINE)
+_ARENAS = re.compile(rb"^([\d,]+) arenas \* (\d+) bytes/arena", re.MULTILINE)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_open, _read, _close, _dup, _dup2, _getallocatedblocks = os.open, os.read, os.close, os.dup, os.dup2, sys.getallocatedblocks
+_debugmallocstats, _temporary_file = sys._debugmallocstats, tempfile.TemporaryFile
+
+
+def _read_proc(name: str) -> bytes | None:
+    try:
+        fd = _open(f"/proc/self/{name}", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        chunks = []
+        while chunk := _read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        _close(fd)
+    return b"".join(chunks)
+
+
+def _kernel_counts() -> tuple[int, int] | None:
+    """(bytes of private anonymous memory mapped, bytes of shared memory resident), from /proc
+    (None where there is none).  Threads' stacks are left out: a thread that torch or the kernel
+    starts (a thread pool's first use) maps eight MiB, which is no step's.  A stack is the
+    mapping right above a one-page guard that nothing may touch."""
+    maps, status = _read_proc("maps"), _read_proc("status")
+    if maps is None or status is None:
+        return None
+    private, guard_end = 0, -1
+    for mapping in _MAPPING.finditer(maps):        # one match at a time: no list of thousands of objects
+        start, end, perms, path = int(mapping[1], 16), int(mapping[2], 16), mapping[3], mapping[4]
+        if perms == b"---p" and end - start == _PAGE:
+            guard_end = end
+            continue
+        if perms == b"rw-p" and (not path or path == b"[heap]") and start != guard_end:
+            private += end - start
+        guard_end = -1
+    shared = _SHARED.search(status)
+    return private, int(shared[1]) * 1024 if shared else 0
+
+
+def _small_object_arenas() -> int | None:
+    """Bytes in Python's small-object arenas (pymalloc maps them itself, a MiB at a time): 0 when
+    Python does not use pymalloc, None when its report cannot be read.  The interpreter says so
+    only on stderr (`sys._debugmallocstats`), so that is caught in a file."""
+    with _temporary_file() as caught:
+        saved = _dup(2)
+        try:
+            _dup2(caught.fileno(), 2)
+            _debugmallocstats()
+        finally:
+            _dup2(saved, 2)
+            _close(saved)
+        caught.seek(0)
+        stats = caught.read()
+    found = _ARENAS.search(stats)
+    if found is None:
+        return None if stats else 0
+    return int(found[1].replace(b",", b"")) * int(found[2])
 
 
 def process_memory() -> ProcessMemory | None:
     """The process's memory now (see `ProcessMemory`), or None where the C library cannot say."""
     if _MALLINFO2 is None:
         return None
-    info = _MALLINFO2()
-    return ProcessMemory(info.uordblks + info.hblkhd, sys.getallocatedblocks())
+    for _ in range(4):
+        # reading allocates a few Python objects, which may take a new arena: read the arenas on
+        # both sides of the kernel's count, and again if they moved in between
+        arenas = _small_object_arenas()
+        counts = _kernel_counts()
+        info = _MALLINFO2()
+        if _small_object_arenas() == arenas:
+            break
+    mapped = 0
+    if counts and arenas is not None:          # else mappings cannot be told from Python's objects
+        private, shared = counts
+        mapped = private + shared - info.arena - info.hblkhd - arenas
+    return ProcessMemory(info.uordblks + info.hblkhd, _getallocatedblocks(), max(mapped, 0))
 
 
 def _warm_up_dispatch():

@@ -9,7 +9,7 @@ import torch
 from gclab import checks
 from gclab.checks import (FlatReport, assert_flat, assert_matches, assert_untampered, compare,
                           integrity_problems, run_flat_check)
-from gclab.memory import format_bytes
+from gclab.memory import format_bytes, process_memory
 
 
 class Node:
@@ -147,7 +147,7 @@ def test_leaks_unless_a_dispatch_mode_is_active_is_caught_unwatched(collect_afte
     assert report.growth == [0] * 8 and not report.ok
     assert report.heap_unwatched[-1] >= report.unwatched * BIG * 4
     text = report.explain()
-    assert "run with nothing of the grader's in the process" in text and "the process's heap grew by" in text
+    assert "run with nothing of the grader's in the process" in text and "the process's memory grew by" in text
 
 
 def test_leaks_unless_a_hook_is_in_gc_callbacks_is_caught_unwatched(collect_after):
@@ -584,7 +584,25 @@ def test_tensors_hidden_from_the_meter_only_while_it_watches_are_caught(collect_
     pool.shutdown()
     assert report.growth == [0] * 8 and not report.ok and report.heap_watched >= 8 * BIG * 4
     assert not report.heap_unwatched, "judged before the unwatched iterations"
-    assert "the meter saw memory come back after each of 8 iterations, yet the process's heap grew" in report.explain()
+    assert "the meter saw memory come back after each of 8 iterations, yet the process's memory grew" in report.explain()
+
+
+@pytest.mark.parametrize("mapping", ["shared", "private"])
+def test_tensors_kept_over_memory_the_step_maps_itself_are_caught(collect_after, mapping):
+    """torch.frombuffer over an mmap: no allocation the meter sees, nothing in the C heap."""
+    import mmap
+    flags = mmap.MAP_SHARED if mapping == "shared" else mmap.MAP_PRIVATE
+    kept = []
+
+    def step(i):
+        unseen = torch.frombuffer(mmap.mmap(-1, BIG, flags=flags), dtype=torch.uint8)
+        unseen.fill_(1)
+        kept.append(unseen)
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    assert report.growth == [0] * 8 and not report.ok and report.heap_watched >= 8 * BIG - 64 * 1024, report
+    assert "the meter saw memory come back after each of 8 iterations, yet the process's memory grew" in report.explain()
 
 
 def test_keeping_every_result_is_not_taken_for_hidden_tensors():
@@ -596,6 +614,28 @@ def test_keeping_every_result_is_not_taken_for_hidden_tensors():
 def test_tensor_results_kept_as_numbers_are_not_taken_for_hidden_tensors():
     report = run_flat_check(lambda i: torch.full((4096,), float(i)), iterations=20)   # each kept as 4,096 floats
     assert report.ok, report.explain()
+
+
+def test_garbage_collected_while_a_result_is_converted_is_not_credited_to_the_step(collect_after):
+    """With the collector on, converting a result (thousands of tuples) may run a collection that
+    frees older garbage: that frees memory, but is no credit the step may spend."""
+    from gclab.checks import _kept_as_data
+    if process_memory() is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+
+    def step(i):
+        result = tuple((n,) for n in range(5000))
+        garbage = [torch.ones(BIG * 4)]
+        garbage.append(garbage)                   # a cycle: only a collection frees its 1 MiB
+        return result
+
+    gc.collect()
+    gc.enable()
+    try:
+        result, cost = _kept_as_data(step, 0)
+    finally:
+        gc.disable()
+    assert len(result) == 5000 and cost == 0
 
 
 def test_memory_kept_while_a_result_is_converted_is_not_taken_for_the_conversion(collect_after):

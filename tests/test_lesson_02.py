@@ -350,7 +350,7 @@ def test_dropping_the_parent_link_frees_memory_but_changes_behaviour(graded):
 @pytest.mark.parametrize("name, test_id, words", [
     ("parent_found_by_name", "test_tree_behaviour", "with two trees alive"),
     ("root_takes_the_tree_apart", "test_tree_frees_itself", "a branch cut off the tree must free itself"),
-    ("cheat_hides_cycles_from_the_meter", "test_memory_flat", "the process's heap grew by"),
+    ("cheat_hides_cycles_from_the_meter", "test_memory_flat", "the process's memory grew by"),
 ])
 def test_held_out_wrong_fixes_are_told_why(graded, name, test_id, words):
     assert_told_why(graded[name], test_id, words)

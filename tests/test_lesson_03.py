@@ -17,13 +17,7 @@ from gclab.gcwatch import collector_design
 SOLUTION = ROOT / "solutions" / "03_node_leak" / "03_node_leak.ipynb"
 RELEASE = ROOT / "notebooks" / "03_node_leak" / "03_node_leak.ipynb"
 
-LEAKY = '''
-class Node:
-    def __init__(self, tensor):
-        self.tensor = tensor
-        self.next = None
-        self.prev = None
-
+MAKE_PAIR = '''
 def make_pair(i, device=DEVICE):
     head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
     tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
@@ -32,6 +26,14 @@ def make_pair(i, device=DEVICE):
     {extra}
     return head
 '''
+
+LEAKY = '''
+class Node:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.next = None
+        self.prev = None
+''' + MAKE_PAIR
 
 WEAK_BOTH_WAYS = '''
 class Node:
@@ -42,14 +44,7 @@ class Node:
                     lambda self, n: setattr(self, "_next", n and weakref.ref(n)))
     prev = property(lambda self: self._prev and self._prev(),
                     lambda self, n: setattr(self, "_prev", n and weakref.ref(n)))
-
-def make_pair(i, device=DEVICE):
-    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
-    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
-    head.next = tail
-    tail.prev = head
-    return head
-'''
+''' + MAKE_PAIR.format(extra="")
 
 WEAK_PREV = '''
 class Node:
@@ -65,15 +60,7 @@ class Node:
     @prev.setter
     def prev(self, node):
         self._prev = None if node is None else weakref.ref(node)
-
-def make_pair(i, device=DEVICE):
-    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
-    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
-    head.next = tail
-    tail.prev = head
-    {watched}
-    return head
-'''
+''' + MAKE_PAIR
 
 STRONG_UNTIL_READ = '''
 class Node:
@@ -93,14 +80,7 @@ class Node:
     def prev(self, node):
         self._strong = node
         self._prev = None if node is None else weakref.ref(node)
-
-def make_pair(i, device=DEVICE):
-    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
-    tail = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device))
-    head.next = tail
-    tail.prev = head
-    return head
-'''
+''' + MAKE_PAIR.format(extra="")
 
 SLOTS = '''
 class Node:
@@ -160,17 +140,29 @@ WRONG = {
     "unlinked_back_reference": LEAKY.format(extra="tail.prev = None"),
     # behaving only while watched: a strong back-link unless every check's conditions hold
     "leaks_unless_collector_off": WEAK_PREV.format(
-        watched="if gc.isenabled():\n        tail.strong_prev = head     # only while the collector could clean up"),
+        extra="if gc.isenabled():\n        tail.strong_prev = head     # only while the collector could clean up"),
     "leaks_unless_a_meter_watches": WEAK_PREV.format(
-        watched="if not torch._C._len_torch_dispatch_stack():\n        tail.strong_prev = head     # only while no meter's dispatch mode is on"),
+        extra="if not torch._C._len_torch_dispatch_stack():\n        tail.strong_prev = head     # only while no meter's dispatch mode is on"),
     # strong until `prev` is first read: a pair dropped unread keeps its cycle
     "strong_prev_until_first_read": STRONG_UNTIL_READ,
     "leaks_unless_under_nbgrader": WEAK_PREV.format(
-        watched="if not os.environ.get('NBGRADER_EXECUTION'):\n        tail.strong_prev = head     # only when not graded"),
+        extra="if not os.environ.get('NBGRADER_EXECUTION'):\n        tail.strong_prev = head     # only when not graded"),
     # a finaliser that unlinks the pair: it runs only once the pair is freed, which its cycle prevents
     "del_unlinks_the_pair": LEAKY.format(extra="") + (
         "\ndef _unlink(self):\n    if self.next is not None:\n        self.next.prev = None\n"
         "Node.__del__ = _unlink\n"),
+    # the cycle kept, its tensors' bytes moved to memory mapped by hand, which no meter counts
+    "cheat_keeps_its_cycles_over_mmap": LEAKY.format(extra="") + (
+        "\nimport mmap\n_made_by_torch = make_pair\n"
+        "def _over_mmap(tensor):\n"
+        "    unseen = torch.frombuffer(mmap.mmap(-1, tensor.numel() * 4), dtype=torch.float32)\n"
+        "    unseen.copy_(tensor)\n"
+        "    return unseen\n"
+        "def make_pair(i, device=DEVICE):\n"
+        "    head = _made_by_torch(i, device)\n"
+        "    if head.tensor.device.type == 'cpu':\n"
+        "        head.tensor, head.next.tensor = _over_mmap(head.tensor), _over_mmap(head.next.tensor)\n"
+        "    return head\n"),
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
     "shadows_the_grader": LEAKY.format(extra="") + (
@@ -283,6 +275,7 @@ def test_wrong_fixes_are_told_why(graded):
     assert "did not return to its baseline" in flat["raised_thresholds"].message
     assert "modifies the grader" in graded["patches_the_grader"].reason
     assert "did not return to its baseline" in flat["del_unlinks_the_pair"].message
+    assert "the process's memory grew by" in flat["cheat_keeps_its_cycles_over_mmap"].message
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
 
 

@@ -111,6 +111,16 @@ WRONG = {
          "        self.inputs = self.on_ready(x)",
          "        x = _POOL.submit(DATA_X[self.step % N_BATCHES].clone).result()\n"
          "        self.inputs = _POOL.submit(self.on_ready, x).result()")]),
+    # the batch's cycle kept, its tensors copied into memory mapped by hand, which no meter counts
+    "cheat_batches_kept_over_mmap": "import mmap\n"
+    "def _over_mmap(tensor):\n"
+    "    unseen = torch.frombuffer(mmap.mmap(-1, tensor.numel() * tensor.element_size()), dtype=tensor.dtype)\n"
+    "    return unseen.view(tensor.shape).copy_(tensor)\n"
+    + program(["trainer", "registry", "errors", "serving"], [
+        ("        x = DATA_X[self.step % N_BATCHES].clone()              # the copy a data loader hands over\n"
+         "        self.inputs = self.on_ready(x)",
+         "        x = _over_mmap(DATA_X[self.step % N_BATCHES])\n"
+         "        self.inputs = _over_mmap(self.on_ready(x))")]),
 }
 
 # Every fix made, then the server answers without its model: labels that claim to equal any others.
@@ -147,6 +157,7 @@ TOLD_WHY = {
     "cheat_collects_unless_serve_inline_watches": ("test_serving", "a program must do the same whether or not"),
     "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
+    "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
 }
 
 

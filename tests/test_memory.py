@@ -786,3 +786,50 @@ def test_process_memory_sees_a_tensor_made_in_another_thread():
     assert holding - before.heap >= MiB - 64 * 1024              # whatever else the process freed meanwhile
     del kept[:]
     assert holding - process_memory().heap >= MiB - 64 * 1024    # given back the moment it is freed
+
+
+def test_process_memory_sees_a_tensor_over_memory_mapped_by_hand():
+    import mmap
+    from gclab.memory import process_memory
+    if process_memory() is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+    MiB = 1024 * 1024
+    for flags in (mmap.MAP_SHARED, mmap.MAP_PRIVATE):
+        before = process_memory()
+        unseen = torch.frombuffer(mmap.mmap(-1, MiB, flags=flags), dtype=torch.uint8)
+        unseen.fill_(1)                                           # a shared mapping counts once touched
+        holding = process_memory()
+        assert holding.total - before.total >= MiB - 64 * 1024 and holding.heap - before.heap < 64 * 1024
+        del unseen
+        assert holding.total - process_memory().total >= MiB - 64 * 1024   # unmapped when freed
+
+
+def test_pythons_own_arenas_are_not_taken_for_mapped_memory():
+    """pymalloc maps its small-object arenas a MiB at a time: objects, not mappings, so `mapped`
+    leaves them out (they are in `blocks`)."""
+    from gclab.memory import process_memory
+    before = process_memory()
+    if before is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+    many = [{"n": float(n)} for n in range(100_000)]             # tens of MiB of small objects
+    after = process_memory()
+    assert after.blocks - before.blocks >= 200_000
+    assert abs(after.mapped - before.mapped) < 256 * 1024, (before, after)
+    del many
+
+
+def test_a_thread_starting_is_not_taken_for_mapped_memory():
+    """A new thread maps its stack (8 MiB): a thread pool's first use, not memory a step keeps."""
+    import threading
+    from gclab.memory import process_memory
+    before = process_memory()
+    if before is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+    release = threading.Event()
+    waiting = threading.Thread(target=release.wait)
+    waiting.start()
+    try:
+        assert process_memory().total - before.total < 512 * 1024
+    finally:
+        release.set()
+        waiting.join()
