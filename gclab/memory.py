@@ -496,8 +496,8 @@ class ProcessMemory:
       allocator puts every tensor's storage;
     * `mapped`: bytes of memory mapped by other routes (`mmap`: a tensor made with
       `torch.frombuffer` over an `mmap.mmap`, shared memory): the process's anonymous private
-      mappings (`/proc/self/maps`) and its resident shared memory (RssShmem), less the C heap's
-      own mappings, Python's small-object arenas and threads' stacks;
+      mappings (`/proc/self/maps`) and its resident shared memory (RssShmem), less what the C
+      heap has mapped (glibc's `malloc_info`), Python's small-object arenas and threads' stacks;
     * `blocks`: Python's small-object blocks in use (`sys.getallocatedblocks`).
 
     None is exact per tensor (the heap rounds, mappings come in pages), so judge `total`'s growth
@@ -512,44 +512,54 @@ class ProcessMemory:
         return self.heap + self.mapped
 
 
-def _mallinfo2():
+def _libc():
     try:
         import ctypes
         libc = ctypes.CDLL(None)
-        read = libc.mallinfo2
-    except (OSError, AttributeError):       # not glibc (macOS, musl), or glibc before 2.33
+        libc.mallinfo2, libc.malloc_info, libc.fdopen, libc.fclose    # glibc 2.33 or later
+    except (OSError, AttributeError):       # not glibc (macOS, musl), or an older one
         return None
 
     class _Info(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
                     ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
                      "fordblks", "keepcost")]
-    read.restype = _Info
-    return read
+    libc.mallinfo2.restype = _Info
+    libc.fdopen.restype = ctypes.c_void_p
+    libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    return libc
 
 
 # bound at import, before any learner's code runs
-_MALLINFO2 = _mallinfo2()
+_LIBC = _libc()
 _SHARED = re.compile(rb"^RssShmem:\s+(\d+) kB", re.MULTILINE)
 _MAPPING = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)$", re.MULTILINE)
 _ARENAS = re.compile(rb"^([\d,]+) arenas \* (\d+) bytes/arena", re.MULTILINE)
+_MALLOC_LARGE_BLOCKS = re.compile(rb'<total type="mmap" count="\d+" size="(\d+)"/>')
+_MALLOC_OPEN_HEAPS = re.compile(rb'<aspace type="mprotect" size="(\d+)"/>')
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_open, _read, _close, _dup, _dup2, _getallocatedblocks = os.open, os.read, os.close, os.dup, os.dup2, sys.getallocatedblocks
-_debugmallocstats, _temporary_file = sys._debugmallocstats, tempfile.TemporaryFile
+_MAPS_BUFFER = bytearray(8 << 20)    # /proc/self/maps is read into memory mapped once, so reading maps nothing
+_open, _read, _readv, _close, _dup, _dup2 = os.open, os.read, os.readv, os.close, os.dup, os.dup2
+_getallocatedblocks, _debugmallocstats, _temporary_file = sys.getallocatedblocks, sys._debugmallocstats, tempfile.TemporaryFile
 
 
-def _read_proc(name: str) -> bytes | None:
+def _read_proc(name: str, into: bytearray | None = None) -> bytes | memoryview | None:
+    """/proc/self/`name` (None where there is none), read whole into `into` when given."""
     try:
         fd = _open(f"/proc/self/{name}", os.O_RDONLY)
     except OSError:
         return None
     try:
-        chunks = []
-        while chunk := _read(fd, 1 << 16):
-            chunks.append(chunk)
+        if into is None:
+            return _read(fd, 1 << 16)
+        view, filled = memoryview(into), 0
+        while filled < len(into) and (got := _readv(fd, [view[filled:]])):
+            filled += got
+        return None if filled == len(into) else view[:filled]     # too many mappings to read: None
     finally:
         _close(fd)
-    return b"".join(chunks)
 
 
 def _kernel_counts() -> tuple[int, int] | None:
@@ -557,7 +567,7 @@ def _kernel_counts() -> tuple[int, int] | None:
     (None where there is none).  Threads' stacks are left out: a thread that torch or the kernel
     starts (a thread pool's first use) maps eight MiB, which is no step's.  A stack is the
     mapping right above a one-page guard that nothing may touch."""
-    maps, status = _read_proc("maps"), _read_proc("status")
+    maps, status = _read_proc("maps", into=_MAPS_BUFFER), _read_proc("status")
     if maps is None or status is None:
         return None
     private, guard_end = 0, -1
@@ -573,42 +583,67 @@ def _kernel_counts() -> tuple[int, int] | None:
     return private, int(shared[1]) * 1024 if shared else 0
 
 
+def _captured(write) -> bytes:
+    """What `write(fd)` writes into a file descriptor (a C library's report)."""
+    with _temporary_file() as caught:
+        write(caught.fileno())
+        caught.seek(0)
+        return caught.read()
+
+
+def _to_stderr(fd: int) -> None:
+    saved = _dup(2)
+    try:
+        _dup2(fd, 2)
+        _debugmallocstats()
+    finally:
+        _dup2(saved, 2)
+        _close(saved)
+
+
 def _small_object_arenas() -> int | None:
     """Bytes in Python's small-object arenas (pymalloc maps them itself, a MiB at a time): 0 when
     Python does not use pymalloc, None when its report cannot be read.  The interpreter says so
     only on stderr (`sys._debugmallocstats`), so that is caught in a file."""
-    with _temporary_file() as caught:
-        saved = _dup(2)
-        try:
-            _dup2(caught.fileno(), 2)
-            _debugmallocstats()
-        finally:
-            _dup2(saved, 2)
-            _close(saved)
-        caught.seek(0)
-        stats = caught.read()
+    stats = _captured(_to_stderr)
     found = _ARENAS.search(stats)
     if found is None:
         return None if stats else 0
     return int(found[1].replace(b",", b"")) * int(found[2])
 
 
+def _malloc_info(fd: int) -> None:
+    stream = _LIBC.fdopen(_dup(fd), b"w")
+    _LIBC.malloc_info(0, stream)
+    _LIBC.fclose(stream)
+
+
+def _malloc_mapped() -> int | None:
+    """Bytes the C heap has mapped: its large blocks, each mapped alone, and its arenas' heaps as
+    far as they are open for use (a thread's arena that shrank keeps its mapping: `mallinfo2`'s
+    `arena` would count it out, `malloc_info`'s "mprotect" size does not)."""
+    report = _captured(_malloc_info)
+    totals = report[report.rfind(b"</heap>"):]         # after every arena's own lines: the process's
+    large, heaps = _MALLOC_LARGE_BLOCKS.search(totals), _MALLOC_OPEN_HEAPS.search(totals)
+    return int(large[1]) + int(heaps[1]) if large and heaps else None
+
+
 def process_memory() -> ProcessMemory | None:
     """The process's memory now (see `ProcessMemory`), or None where the C library cannot say."""
-    if _MALLINFO2 is None:
+    if _LIBC is None:
         return None
     for _ in range(4):
-        # reading allocates a few Python objects, which may take a new arena: read the arenas on
-        # both sides of the kernel's count, and again if they moved in between
-        arenas = _small_object_arenas()
+        # reading makes a few Python objects and C buffers, which may take a new arena or heap
+        # space: read the allocators on both sides of the kernel's count, again if they moved
+        arenas, malloc_mapped = _small_object_arenas(), _malloc_mapped()
         counts = _kernel_counts()
-        info = _MALLINFO2()
-        if _small_object_arenas() == arenas:
+        info = _LIBC.mallinfo2()
+        if (_small_object_arenas(), _malloc_mapped()) == (arenas, malloc_mapped):
             break
     mapped = 0
-    if counts and arenas is not None:          # else mappings cannot be told from Python's objects
+    if counts and arenas is not None and malloc_mapped is not None:   # else mappings cannot be told apart
         private, shared = counts
-        mapped = private + shared - info.arena - info.hblkhd - arenas
+        mapped = private + shared - malloc_mapped - arenas
     return ProcessMemory(info.uordblks + info.hblkhd, _getallocatedblocks(), max(mapped, 0))
 
 

@@ -833,3 +833,21 @@ def test_a_thread_starting_is_not_taken_for_mapped_memory():
     finally:
         release.set()
         waiting.join()
+
+
+def test_a_threads_heap_that_shrank_is_not_taken_for_mapped_memory():
+    """A thread's own malloc arena gives memory back without unmapping it: still the C heap's."""
+    import threading
+    from gclab.memory import process_memory
+    before = process_memory()
+    if before is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+
+    def allocate_then_free():
+        kept = [torch.ones(16 * 1024) for _ in range(300)]    # 64 KiB each, 19 MiB in the thread's arena
+        del kept
+
+    worker = threading.Thread(target=allocate_then_free)
+    worker.start()
+    worker.join()
+    assert process_memory().total - before.total < 512 * 1024
