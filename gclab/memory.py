@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import os
 import re
 import sys
@@ -540,12 +541,14 @@ _ARENAS = re.compile(rb"^([\d,]+) arenas \* (\d+) bytes/arena", re.MULTILINE)
 _MALLOC_LARGE_BLOCKS = re.compile(rb'<total type="mmap" count="\d+" size="(\d+)"/>')
 _MALLOC_OPEN_HEAPS = re.compile(rb'<aspace type="mprotect" size="(\d+)"/>')
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_MAPS_BUFFER = bytearray(8 << 20)    # /proc/self/maps is read into memory mapped once, so reading maps nothing
+# /proc/self/maps is read into memory mapped once (pages touched only as far as it reaches), so
+# that reading it maps nothing new
+_MAPS_BUFFER = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE) if hasattr(mmap, "MAP_PRIVATE") else None
 _open, _read, _readv, _close, _dup, _dup2 = os.open, os.read, os.readv, os.close, os.dup, os.dup2
 _getallocatedblocks, _debugmallocstats, _temporary_file = sys.getallocatedblocks, sys._debugmallocstats, tempfile.TemporaryFile
 
 
-def _read_proc(name: str, into: bytearray | None = None) -> bytes | memoryview | None:
+def _read_proc(name: str, into: mmap.mmap | None = None) -> bytes | memoryview | None:
     """/proc/self/`name` (None where there is none), read whole into `into` when given."""
     try:
         fd = _open(f"/proc/self/{name}", os.O_RDONLY)
@@ -567,6 +570,8 @@ def _kernel_counts() -> tuple[int, int] | None:
     (None where there is none).  Threads' stacks are left out: a thread that torch or the kernel
     starts (a thread pool's first use) maps eight MiB, which is no step's.  A stack is the
     mapping right above a one-page guard that nothing may touch."""
+    if _MAPS_BUFFER is None:
+        return None
     maps, status = _read_proc("maps", into=_MAPS_BUFFER), _read_proc("status")
     if maps is None or status is None:
         return None
