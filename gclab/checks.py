@@ -153,8 +153,9 @@ class FlatReport:
         return [f"the meter saw memory come back after each of {len(self.growth)} iterations, yet the process's memory "
                 f"grew by {format_bytes(self.heap_watched)} meanwhile (about "
                 f"{format_bytes(self.heap_watched / max(len(self.growth), 1))} per iteration): the code keeps "
-                "memory the meter cannot see: tensors made in another thread or with torch's dispatch turned off, "
-                "or copies of their data (lists of numbers, numpy arrays). They are memory all the same."]
+                "memory the meter cannot see: tensors made in another thread, with torch's dispatch turned off "
+                "or over memory mapped by hand (mmap), or copies of their data (lists of numbers, numpy arrays). "
+                "They are memory all the same."]
 
     def _explain_unwatched(self) -> list[str]:
         where = (f"in {self.unwatched} more iteration{'s' if self.unwatched != 1 else ''} with the collector off, "
@@ -167,8 +168,8 @@ class FlatReport:
                 f"{where}, the process's memory grew by {format_bytes(grew)} (about "
                 f"{format_bytes(self.heap_unwatched[-1] / len(self.heap_unwatched))} per iteration): the code "
                 "keeps memory alive when it is not measured, or makes tensors where the meter cannot see "
-                "them (another thread, torch's dispatch turned off). A fix must free its memory whether "
-                "or not anything watches it.")
+                "them (another thread, torch's dispatch turned off, memory mapped by hand). A fix must free "
+                "its memory whether or not anything watches it.")
         if self._objects_kept_unwatched:
             lines.append(
                 f"{where}, the process kept {self._objects_kept_unwatched:,} more Python objects (about "
