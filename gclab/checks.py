@@ -254,10 +254,10 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     no hook is in gc.callbacks, so code cannot behave well only while watched.  Where the
     process's memory can be read (`process_memory`: every CPU tensor's bytes, whichever thread
     made them and however), the first half of them run with the collector off and must leave
-    the process's memory, the CUDA allocator's count and the collector's statistics where they were; the rest run with
-    the collector on, where collections may run but memory must still be back at (or below)
-    its level before them after every iteration: a fix must not depend on the collector being
-    off.  Elsewhere they all run with the collector on, measured by the meter.  The collector's
+    the process's memory, the CUDA allocator's count and the collector's statistics where they
+    were; the rest run with the collector on, where collections may run but memory must still
+    be back at (or below) its level before them after every iteration: a fix must not depend
+    on the collector being off.  Elsewhere they all run with the collector on, measured by the meter.  The collector's
     previous state is restored after.
 
     `holder`: the object whose code the step runs (a trainer, a cache), for the learner's
