@@ -242,23 +242,29 @@ def _plain(value):
     return value
 
 
+# Unwatched iterations, whatever `collector_on` asks: a leak of a few KiB per step only shows
+# over several (8 KiB a step is 64 KiB over eight, twice the heap's slack)
+UNWATCHED_AT_LEAST = 8
+
+
 def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                    collector_on: int | None = None, holder=None, holder_name: str | None = None) -> FlatReport:
     """Call `step(i)` for i in range(warmup + iterations) with the automatic collector off and the
-    meter watching, then `collector_on` more times (default: a quarter of `iterations`, at least
-    2) with nothing of the grader's in the process.
+    meter watching, then more times with nothing of the grader's in the process: half of
+    `collector_on` (default: a quarter of `iterations`, at least 2), but at least
+    `UNWATCHED_AT_LEAST`, with the collector off, and the other half with it on.
 
     The meter's baseline is taken after the warm-up iterations; after every watched iteration
     memory must be back at that baseline, to the byte, and no collection (automatic or
     explicit) may run.  In the unwatched iterations the meter is paused (no dispatch mode) and
     no hook is in gc.callbacks, so code cannot behave well only while watched.  Where the
     process's memory can be read (`process_memory`: every CPU tensor's bytes, whichever thread
-    made them and however), the first half of them run with the collector off and must leave
-    the process's memory, the CUDA allocator's count and the collector's statistics where they
-    were; the rest run with the collector on, where collections may run but memory must still
-    be back at (or below) its level before them after every iteration: a fix must not depend
-    on the collector being off.  Elsewhere they all run with the collector on, measured by the meter.  The collector's
-    previous state is restored after.
+    made them and however), those with the collector off must leave the process's memory, the
+    CUDA allocator's count and the collector's statistics where they were; those with the
+    collector on may run collections, but memory must still be back at (or below) its level
+    before them after every iteration: a fix must not depend on the collector being off.
+    Elsewhere all `collector_on` run with the collector on, measured by the meter.  The
+    collector's previous state is restored after.
 
     `holder`: the object whose code the step runs (a trainer, a cache), for the learner's
     self-check.  When memory did not come back, the report then also says which of its
@@ -268,7 +274,11 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     """
     if collector_on is None:
         collector_on = max(2, iterations // 4)
-    unwatched = collector_on // 2 if process_memory() is not None and collector_on >= 2 else 0
+    if process_memory() is not None and collector_on >= 2:
+        unwatched = max(collector_on // 2, UNWATCHED_AT_LEAST)
+        collector_on = unwatched + collector_on - collector_on // 2
+    else:
+        unwatched = 0
     meter = Meter(device)
     report = FlatReport(device=meter.device, iterations=iterations, collector_on=collector_on, unwatched=unwatched)
     watch = GCWatch()

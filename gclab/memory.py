@@ -496,9 +496,10 @@ class ProcessMemory:
     * `heap`: bytes in use in the C library's heap (glibc's `mallinfo2`), where torch's CPU
       allocator puts every tensor's storage;
     * `mapped`: bytes of memory mapped by other routes (`mmap`: a tensor made with
-      `torch.frombuffer` over an `mmap.mmap`, shared memory): the process's anonymous private
-      mappings (`/proc/self/maps`) and its resident shared memory (RssShmem), less what the C
-      heap has mapped (glibc's `malloc_info`), Python's small-object arenas and threads' stacks;
+      `torch.frombuffer` over an `mmap.mmap` of memory or of a file, shared memory): the
+      process's writable mappings of memory and of files (`/proc/self/maps`) and its resident
+      shared memory (RssShmem), less what the C heap has mapped (glibc's `malloc_info`),
+      Python's small-object arenas and threads' stacks;
     * `blocks`: Python's small-object blocks in use (`sys.getallocatedblocks`).
 
     None is exact per tensor (the heap rounds, mappings come in pages), so judge `total`'s growth
@@ -540,6 +541,8 @@ _MAPPING = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)$", re.
 _ARENAS = re.compile(rb"^([\d,]+) arenas \* (\d+) bytes/arena", re.MULTILINE)
 _MALLOC_LARGE_BLOCKS = re.compile(rb'<total type="mmap" count="\d+" size="(\d+)"/>')
 _MALLOC_OPEN_HEAPS = re.compile(rb'<aspace type="mprotect" size="(\d+)"/>')
+# shared memory (counted, as far as it is touched, by RssShmem) and devices' memory (a GPU's)
+_SHARED_MEMORY_FILES = (b"/dev/", b"/memfd:", b"/SYSV")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # /proc/self/maps is read into memory mapped once (pages touched only as far as it reaches), so
 # that reading it maps nothing new
@@ -566,9 +569,9 @@ def _read_proc(name: str, into: mmap.mmap | None = None) -> bytes | memoryview |
 
 
 def _kernel_counts() -> tuple[int, int] | None:
-    """(bytes of private anonymous memory mapped, bytes of shared memory resident), from /proc
-    (None where there is none).  Threads' stacks are left out: a thread that torch or the kernel
-    starts (a thread pool's first use) maps eight MiB, which is no step's.  A stack is the
+    """(bytes mapped privately or from files, writable, bytes of shared memory resident), from
+    /proc (None where there is none).  Threads' stacks are left out: a thread that torch or the
+    kernel starts (a thread pool's first use) maps eight MiB, which is no step's.  A stack is the
     mapping right above a one-page guard that nothing may touch."""
     if _MAPS_BUFFER is None:
         return None
@@ -583,6 +586,8 @@ def _kernel_counts() -> tuple[int, int] | None:
             continue
         if perms == b"rw-p" and (not path or path == b"[heap]") and start != guard_end:
             private += end - start
+        elif perms[:2] == b"rw" and path[:1] == b"/" and not path.startswith(_SHARED_MEMORY_FILES):
+            private += end - start          # a file mapped to be written: a library's data, or a tensor's
         guard_end = -1
     shared = _SHARED.search(status)
     return private, int(shared[1]) * 1024 if shared else 0

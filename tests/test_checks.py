@@ -100,7 +100,7 @@ def test_step_that_reenables_gc_is_reported():
 def test_step_runs_with_the_collector_off():
     seen = []
     run_flat_check(lambda i: seen.append(gc.isenabled()), iterations=3, warmup=2, collector_on=4)
-    assert seen == [False] * 7 + [True] * 2, "warm-up, measured and unwatched iterations off, then two with it on"
+    assert seen == [False] * 13 + [True] * 2, "warm-up, measured and 8 unwatched iterations off, then two with it on"
 
 
 def test_leaks_unless_collector_off_is_caught_with_the_collector_on():
@@ -113,7 +113,7 @@ def test_leaks_unless_collector_off_is_caught_with_the_collector_on():
         return float(pair[0].sum())
 
     report = run_flat_check(step, iterations=8, collector_on=4)
-    assert not report.ok and report.growth == [0] * 8 and report.unwatched == 2
+    assert not report.ok and report.growth == [0] * 8 and report.unwatched == 8
     first, second = report.heap_collector_on                  # measured by the process's heap
     assert first >= 48 * 1024 and second - first >= 48 * 1024, report.heap_collector_on
     assert "with the collector switched on, memory was 64" in report.explain()
@@ -123,8 +123,8 @@ def test_leaks_unless_collector_off_is_caught_with_the_collector_on():
 def test_a_cycle_freed_by_an_automatic_collection_is_fine_with_the_collector_on():
     report = run_flat_check(fixed_step, iterations=4, collector_on=6)
     assert report.ok, report.explain()
-    assert report.unwatched == 3 and len(report.growth_collector_on) == 3
-    assert "then after 3 more with nothing of the grader's watching" in report.explain()
+    assert report.unwatched == 8 and len(report.growth_collector_on) == 3
+    assert "then after 8 more with nothing of the grader's watching" in report.explain()
     assert "and after each of 3 more with the collector on" in report.explain()
 
 
@@ -197,8 +197,8 @@ def test_collecting_only_while_unwatched_is_caught(collect_after):
 def test_the_watched_iterations_are_the_same_with_an_unwatched_part():
     seen = []
     report = run_flat_check(lambda i: seen.append(i) or float(i), iterations=5, warmup=1, collector_on=4)
-    assert seen == list(range(10)) and report.results == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert report.results_collector_on == [8.0, 9.0]      # the unwatched iterations' results are not kept
+    assert seen == list(range(16)) and report.results == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert report.results_collector_on == [14.0, 15.0]    # the unwatched iterations' results are not kept
 
 
 
@@ -263,7 +263,7 @@ def test_warmup_iterations_are_excluded_from_the_baseline():
     step = make_step()
     warmed = run_flat_check(lambda i: calls.append(i) or step(i), iterations=3, warmup=1)
     assert warmed.ok, warmed.explain()
-    assert calls == [0, 1, 2, 3, 4, 5], "one warm-up, three measured, two with the collector on"
+    assert calls == list(range(13)), "one warm-up, three measured, eight unwatched, one with the collector on"
     assert warmed.results == [100.0, 200.0, 300.0]
     assert len(warmed.growth) == 3
 
@@ -603,6 +603,39 @@ def test_tensors_kept_over_memory_the_step_maps_itself_are_caught(collect_after,
     report = run_flat_check(step, iterations=8)
     assert report.growth == [0] * 8 and not report.ok and report.heap_watched >= 8 * BIG - 64 * 1024, report
     assert "the meter saw memory come back after each of 8 iterations, yet the process's memory grew" in report.explain()
+
+
+def test_a_few_kib_kept_only_while_unwatched_is_caught_with_few_iterations_asked(collect_after):
+    """collector_on=3 still runs UNWATCHED_AT_LEAST unwatched iterations: 8 KiB a step shows."""
+    kept = []
+
+    def step(i):
+        features = torch.ones(2048)                            # 8 KiB
+        if not torch._C._len_torch_dispatch_stack():
+            kept.append(features)
+        return i
+
+    report = run_flat_check(step, iterations=4, collector_on=3)
+    assert report.unwatched == checks.UNWATCHED_AT_LEAST and not report.ok
+    assert "the process's memory grew by" in report.explain()
+
+
+def test_tensors_kept_over_a_file_the_step_maps_are_caught(collect_after, tmp_path):
+    import mmap
+    kept = []
+
+    def step(i):
+        backing = open(tmp_path / f"unseen-{i}", "w+b")
+        backing.truncate(BIG)
+        unseen = torch.frombuffer(mmap.mmap(backing.fileno(), BIG), dtype=torch.uint8)
+        unseen.fill_(1)
+        kept.append((backing, unseen))
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    assert not report.ok and report.heap_watched >= 8 * BIG - 64 * 1024, report
+    for backing, _ in kept:
+        backing.close()
 
 
 def test_keeping_every_result_is_not_taken_for_hidden_tensors():

@@ -216,6 +216,55 @@ class TreeNode(_Node):
             parent.children.append(self)
 '''
 
+# Weak back-references near the root, strong ones below (real cycles of nodes), each node's
+# subtree emptied of tensors by __del__ so memory reads flat, and the nodes not called TreeNode
+CHEAT_CYCLES_BELOW_RENAMED = '''
+class _Linked:
+    @property
+    def parent(self):
+        p = self._parent
+        return p() if isinstance(p, weakref.ref) else p
+
+    def __del__(self):
+        todo = list(self.children)
+        while todo:
+            node = todo.pop()
+            node.tensor = None
+            todo.extend(node.children)
+
+class TreeNode(_Linked):
+    def __init__(self, name, tensor, parent=None):
+        self.name, self.tensor, self.children = name, tensor, []
+        self._depth = 0 if parent is None else parent._depth + 1
+        if parent is None:
+            self._parent = None
+        else:
+            self._parent = parent if parent._depth >= 2 else weakref.ref(parent)
+            self.__class__ = _Node
+            parent.children.append(self)
+
+class _Node(_Linked):
+    pass
+_Node.__name__ = _Node.__qualname__ = "Node"
+'''
+
+# The weak-parent fix, plus a recursive helper defined in __init__: each node leaves a
+# function <-> cell cycle that only the collector frees
+RECURSIVE_HELPER = '''
+class TreeNode:
+    def __init__(self, name, tensor, parent=None):
+        self.name, self.tensor, self.children = name, tensor, []
+        self._parent = None if parent is None else weakref.ref(parent)
+        if parent is not None:
+            parent.children.append(self)
+        def level(node):
+            return 0 if node.parent is None else 1 + level(node.parent)
+        self.level = level(self)
+
+    @property
+    def parent(self):
+        return None if self._parent is None else self._parent()
+'''
 
 WRONG = {
     "collect_when_a_tree_starts": LEAKY.format(extra="if parent is None:\n            gc.collect()"),
@@ -229,6 +278,8 @@ WRONG = {
     "parent_found_by_name": PARENT_FOUND_BY_NAME,
     "root_takes_the_tree_apart": ROOT_TAKES_THE_TREE_APART,
     "cheat_hides_cycles_from_the_meter": CHEAT_HIDES_CYCLES_FROM_THE_METER,
+    "cheat_cycles_below_renamed": CHEAT_CYCLES_BELOW_RENAMED,
+    "recursive_helper_leaves_function_cycles": RECURSIVE_HELPER,
 }
 
 
@@ -351,6 +402,8 @@ def test_dropping_the_parent_link_frees_memory_but_changes_behaviour(graded):
     ("parent_found_by_name", "test_tree_behaviour", "with two trees alive"),
     ("root_takes_the_tree_apart", "test_tree_frees_itself", "a branch cut off the tree must free itself"),
     ("cheat_hides_cycles_from_the_meter", "test_memory_flat", "the process's memory grew by"),
+    ("cheat_cycles_below_renamed", "test_tree_frees_itself", "objects in cycles"),
+    ("recursive_helper_leaves_function_cycles", "test_tree_frees_itself", "function"),
 ])
 def test_held_out_wrong_fixes_are_told_why(graded, name, test_id, words):
     assert_told_why(graded[name], test_id, words)

@@ -64,6 +64,9 @@ WRONG = {
         callbacks=("[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]\n"
                    "        if gc.isenabled() and not torch._C._len_torch_dispatch_stack():\n"
                    "            self._callbacks = [lambda t: t.view(self.rows, -1), lambda t: t[:, : self.keep_columns]]")),
+    # no cycle (values captured), but the pending batch is dropped after the first wait(): a second one fails
+    "waits_only_once": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]",
+                            after="self._pending = None"),
 }
 
 # Right fixes written differently from the solution: each must earn full marks.
@@ -140,12 +143,16 @@ def test_wrong_fix_does_not_earn_full_marks(graded, name):
 
 
 def test_leaving_any_cycle_loses_the_memory_and_cycle_marks(graded):
-    """Fixes that keep a cycle, on any path, keep only the views' 3 points."""
-    for name in ("collect_in_wait", "empty_cache_in_wait", "bound_methods", "clears_callbacks_after_wait",
-                 "drops_pending_after_wait", "del_clears_callbacks"):
+    """Fixes that keep a cycle, on any path, keep only the views' 3 points; those that break it
+    after the first wait() lose those too (a second wait() fails)."""
+    for name in ("collect_in_wait", "empty_cache_in_wait", "bound_methods", "del_clears_callbacks"):
         result = graded[name]
         assert result.score == 3, grading.format_results([result])
         assert cell_result(result, "test_same_views").status == "passed"
+    for name in ("clears_callbacks_after_wait", "drops_pending_after_wait"):
+        result = graded[name]
+        assert result.score == 0, grading.format_results([result])
+        assert "a second wait() on the same view" in cell_result(result, "test_same_views").message
 
 
 def test_wrong_fixes_are_told_why(graded):
@@ -161,6 +168,7 @@ def test_wrong_fixes_are_told_why(graded):
     finaliser = message("del_clears_callbacks", "test_no_cycle")
     assert "were not freed" in finaliser and "__del__" in finaliser, finaliser
     assert graded["patches_the_detector"].score == 0
+    assert "a second wait() on the same view" in message("waits_only_once", "test_same_views")
 
 
 def test_a_copy_claiming_the_batch_storage_is_not_a_view(graded):
