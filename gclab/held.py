@@ -26,7 +26,7 @@ import torch
 from .cycles import instance_attributes
 from .memory import device_storage, format_bytes
 
-__all__ = ["HeldBytes", "HeldReport", "Holding"]
+__all__ = ["HeldBytes", "HeldReport", "Holding", "tensors_held"]
 
 # torch's C-level weak references to a storage: they keep no Python object alive
 _expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
@@ -166,6 +166,17 @@ def _walk(obj, name: str, names: bool, device=None, max_objects: int = 50_000) -
                 child_frame = f"{child.f_code.co_name}()" if isinstance(child, types.FrameType) else frame
                 queue.append((child, *item, child_frame))
     return found
+
+
+def tensors_held(obj, name: str = "it", device=None) -> list[str]:
+    """Every tensor storage `obj` keeps alive (through its attributes, containers, closures,
+    exceptions with their frames and autograd graphs, not its module's globals), each said as
+    where it is reached and what it is, most bytes first; [] when it keeps none.  A view of a
+    bigger tensor counts: it keeps all of its storage alive."""
+    found = _walk(obj, name, names=True, device=device)
+    held = sorted((where for _, where in found.values()), key=lambda where: -where.nbytes)
+    del found
+    return [f"{where.entry}{where.root}, {where.root_what} ({format_bytes(where.nbytes)} of storage)" for where in held]
 
 
 def _credit(found, device, tensor, path, group, entry, entry_obj, frame, via_graph=None):

@@ -66,6 +66,14 @@ WRONG = {
         "scaler": _scaler(prepare="del batch",
                           formula="(x - fitting_batch(i, device).mean()) / fitting_batch(i, device).std()"),
     },
+    # each batch copied into a slot of a tensor made beforehand: no new memory for the meter, yet
+    # every scaler keeps its batch (a view of the slot), as the leaky one did
+    "keeps_its_batch_in_a_reserved_slot": {
+        "jobs": RUN_JOB.format(handle="pass", error="e"),
+        "scaler": "_SLOTS, _USED = torch.empty(32, SCALER_NUMEL, device=DEVICE), [0]\n" + _scaler(
+            prepare="slot = _SLOTS[_USED[0] % 32]\n    _USED[0] += 1\n    slot.copy_(batch)\n    del batch",
+            formula="(x - slot.mean()) / slot.std()"),
+    },
     "patches_the_grader": {
         "jobs": RUN_JOB.format(handle="pass", error="e") + "\nchecks.assert_flat = lambda report: None\n",
         "scaler": _scaler(),
@@ -273,6 +281,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "did not return to its baseline" in _message(graded["deletes_the_wrong_reference"],
                                                         "test_scaler_memory_flat")
     assert "modifies the grader" in graded["patches_the_grader"].reason
+    assert "must refer to no tensor at all, but scaler 3 (closure variable 'slot')" in _message(
+        graded["keeps_its_batch_in_a_reserved_slot"], "test_scaler_results")
 
 
 def test_values_equal_to_anything_earn_no_points(graded):

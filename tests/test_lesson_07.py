@@ -269,6 +269,37 @@ assert CHEAT_LOADS_EQUAL_TO_ANYTHING.count("loads") == 1
 # Right caches written differently from the solution: each must earn full marks.
 ALTERNATIVES = {"callbacks_and_a_list": CALLBACKS_AND_A_LIST, "finalize_and_a_dict": FINALIZE_AND_A_DICT}
 
+# Weak references by name that len() and iteration skip once dead, but that are never removed:
+# the cache grows by an entry for every name it was ever asked for
+DEAD_REFS_NEVER_REMOVED = '''
+import collections
+
+class ModelCache:
+    def __init__(self, loader, keep=2):
+        self.loader, self.keep, self.loads = loader, keep, 0
+        self._refs = {}
+        self._recent = collections.OrderedDict()
+
+    def get(self, name):
+        ref = self._refs.get(name)
+        model = ref() if ref is not None else None
+        if model is None:
+            model = self.loader(name)
+            self.loads += 1
+            self._refs[name] = weakref.ref(model)
+        self._recent[name] = model
+        self._recent.move_to_end(name)
+        while len(self._recent) > self.keep:
+            self._recent.popitem(last=False)
+        return model
+
+    def __len__(self):
+        return sum(ref() is not None for ref in self._refs.values())
+
+    def __iter__(self):
+        return iter([name for name, ref in list(self._refs.items()) if ref() is not None])
+'''
+
 # Plausible wrong fixes: none may earn full marks.
 WRONG = {
     "dict_and_collect": strong(first="gc.collect()                  # free the models nobody uses"),
@@ -286,10 +317,12 @@ WRONG = {
         strong='self.__dict__.setdefault("_ring", collections.deque(maxlen=self.keep)).append(model)'),
     "callbacks_hold_the_cache": CALLBACKS_HOLD_THE_CACHE,
     "patches_the_grader": strong(after="\nchecks.assert_flat = lambda report: None\n"),
+    "dead_refs_never_removed": DEAD_REFS_NEVER_REMOVED,
 }
 
 # Which test each wrong fix must fail, and words its message must hold.
 TOLD_WHY = {
+    "dead_refs_never_removed": ("test_no_stale_entries", "an entry for each dead model stays inside it"),
     "dict_and_collect": ("test_frees_memory", "the collector ran"),
     "del_removes_entry": ("test_frees_memory", "m0 is still alive"),
     "weak_keys": ("test_frees_memory", "m0 is still alive"),
