@@ -271,34 +271,11 @@ ALTERNATIVES = {"callbacks_and_a_list": CALLBACKS_AND_A_LIST, "finalize_and_a_di
 
 # Weak references by name that len() and iteration skip once dead, but that are never removed:
 # the cache grows by an entry for every name it was ever asked for
-DEAD_REFS_NEVER_REMOVED = '''
-import collections
-
-class ModelCache:
-    def __init__(self, loader, keep=2):
-        self.loader, self.keep, self.loads = loader, keep, 0
-        self._refs = {}
-        self._recent = collections.OrderedDict()
-
-    def get(self, name):
-        ref = self._refs.get(name)
-        model = ref() if ref is not None else None
-        if model is None:
-            model = self.loader(name)
-            self.loads += 1
-            self._refs[name] = weakref.ref(model)
-        self._recent[name] = model
-        self._recent.move_to_end(name)
-        while len(self._recent) > self.keep:
-            self._recent.popitem(last=False)
-        return model
-
-    def __len__(self):
-        return sum(ref() is not None for ref in self._refs.values())
-
-    def __iter__(self):
-        return iter([name for name, ref in list(self._refs.items()) if ref() is not None])
-'''
+DEAD_REFS_NEVER_REMOVED = STALE_WEAKREFS.replace(
+    "        return len(self._refs)\n",
+    "        return sum(ref() is not None for ref in self._refs.values())\n").replace(
+    "        return iter(list(self._refs))\n",
+    "        return iter([name for name, ref in list(self._refs.items()) if ref() is not None])\n")
 
 # Plausible wrong fixes: none may earn full marks.
 WRONG = {
