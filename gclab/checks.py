@@ -333,8 +333,8 @@ def _settled_memory():
     best = process_memory()
     for _ in range(3 if best is not None else 0):
         time.sleep(0.001)
-        now = process_memory()
-        best = ProcessMemory(min(best.heap, now.heap), min(best.blocks, now.blocks), min(best.mapped, now.mapped))
+        now = process_memory(mappings=False)       # the mappings are the kernel's count: read once
+        best = ProcessMemory(min(best.heap, now.heap), min(best.blocks, now.blocks), best.mapped)
     return best
 
 
@@ -345,12 +345,12 @@ def _kept_as_data(step, i):
     learner's code, and never more than the data's own size: a result cannot pass off memory
     it keeps as the cost of converting it."""
     result = step(i)
-    before = process_memory()
+    before = process_memory(mappings=False)
     plain = _plain(result)
     if before is None or not _is_plain_data(result):
         return plain, 0
     # never below 0: with the collector on, a collection during the conversion frees older garbage
-    return plain, max(0, min(process_memory().total - before.total, _data_bytes(plain)))
+    return plain, max(0, min(process_memory(mappings=False).heap - before.heap, _data_bytes(plain)))
 
 
 _PLAIN_TYPES = frozenset({int, float, bool, complex, str, bytes, type(None)})

@@ -638,10 +638,15 @@ def _malloc_mapped() -> int | None:
     return int(large[1]) + int(heaps[1]) if large and heaps else None
 
 
-def process_memory() -> ProcessMemory | None:
-    """The process's memory now (see `ProcessMemory`), or None where the C library cannot say."""
+def process_memory(mappings: bool = True) -> ProcessMemory | None:
+    """The process's memory now (see `ProcessMemory`), or None where the C library cannot say.
+    `mappings=False` skips reading the mappings (`mapped` is 0): a tenth of the time, for what
+    only the heap can show (converting numbers to Python objects maps nothing)."""
     if _LIBC is None:
         return None
+    if not mappings:
+        info = _LIBC.mallinfo2()
+        return ProcessMemory(info.uordblks + info.hblkhd, _getallocatedblocks())
     for _ in range(4):
         # reading makes a few Python objects and C buffers, which may take a new arena or heap
         # space: read the allocators on both sides of the kernel's count, again if they moved

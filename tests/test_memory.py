@@ -851,3 +851,12 @@ def test_a_threads_heap_that_shrank_is_not_taken_for_mapped_memory():
     worker.start()
     worker.join()
     assert process_memory().total - before.total < 512 * 1024
+
+
+def test_process_memory_without_mappings_reads_the_heap_alone():
+    from gclab.memory import process_memory
+    full = process_memory()
+    if full is None:
+        pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
+    quick = process_memory(mappings=False)
+    assert quick.mapped == 0 and quick.total == quick.heap and abs(quick.heap - full.heap) < 1024 * 1024
