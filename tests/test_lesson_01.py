@@ -74,6 +74,15 @@ WRONG = {
             prepare="slot = _SLOTS[_USED[0] % 32]\n    _USED[0] += 1\n    slot.copy_(batch)\n    del batch",
             formula="(x - slot.mean()) / slot.std()"),
     },
+    # each report carries a view of an archive mapped from a file beforehand: no new memory for any reading
+    "reports_keep_a_view_of_a_file_archive": {
+        "jobs": ("import mmap, tempfile\n_FILE = tempfile.TemporaryFile(dir='.')\n_FILE.truncate(16 * 256 * 1024 * 4)\n"
+                 "_ARCHIVE = torch.frombuffer(mmap.mmap(_FILE.fileno(), 16 * 256 * 1024 * 4), "
+                 "dtype=torch.float32).view(16, -1)\n"
+                 + RUN_JOB.format(handle="e = e.with_traceback(None)", error="e").replace(
+                     '"error": None}', '"error": None, "batch": _ARCHIVE[i % 16].fill_(float(i))}')),
+        "scaler": _scaler(after="gc.collect()"),
+    },
     "patches_the_grader": {
         "jobs": RUN_JOB.format(handle="pass", error="e") + "\nchecks.assert_flat = lambda report: None\n",
         "scaler": _scaler(),
@@ -281,6 +290,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "did not return to its baseline" in _message(graded["deletes_the_wrong_reference"],
                                                         "test_scaler_memory_flat")
     assert "modifies the grader" in graded["patches_the_grader"].reason
+    assert "a report must refer to no tensor at all, but job 3's report['batch']" in _message(
+        graded["reports_keep_a_view_of_a_file_archive"], "test_job_reports")
     assert "must refer to no tensor at all, but scaler 3 (closure variable 'slot')" in _message(
         graded["keeps_its_batch_in_a_reserved_slot"], "test_scaler_results")
 
