@@ -105,7 +105,7 @@ class FlatReport:
     def with_collector_on(self) -> int:
         return self.collector_on - self.unwatched
 
-    # What the process's heap may gain over the unwatched iterations of a leak-free step: a few
+    # What the process's memory (heap and mappings) may gain over the unwatched iterations of a leak-free step: a few
     # hundred bytes of first-time costs (measured: at most 2.2 KiB over the course's lessons; in
     # a Jupyter kernel, 16 KiB once, other threads included), below one leaked tensor of any
     # lesson (64 KiB).
@@ -274,7 +274,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     """
     if collector_on is None:
         collector_on = max(2, iterations // 4)
-    if process_memory() is not None and collector_on >= 2:
+    if process_memory(mappings=False) is not None and collector_on >= 2:
         unwatched = max(collector_on // 2, UNWATCHED_AT_LEAST)
         collector_on = unwatched + collector_on - collector_on // 2
     else:
