@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Meter", "MeterPoint", "ProcessMemory", "default_device", "describe_device", "device_storage",
+__all__ = ["AllocationCensus", "Meter", "MeterPoint", "ProcessMemory", "default_device", "describe_device", "device_storage",
            "format_bytes", "process_memory"]
 
 MiB = 1024**2
@@ -674,3 +674,127 @@ def _warm_up_dispatch():
 
 _warm_up_dispatch()
 
+
+
+# -- a census of allocations, from torch's profiler ------------------------------------
+class AllocationCensus:
+    """The bytes torch's allocators (CPU and CUDA) hand out while the census runs and do not take
+    back, read from the profiler's allocation events.  The allocators send those whatever made
+    the tensor, so the census sees what `Meter`'s dispatch mode cannot (tensors made with torch's
+    dispatch turned off).  Memory allocated before the census is not counted, nor is its release,
+    so freeing memory reserved beforehand cannot offset what is kept; the exception is `carried`,
+    what an earlier census counted and left `alive`, whose release does count.  Only the
+    allocations of the thread that runs it are seen (and of autograd's threads).
+
+    >>> with AllocationCensus() as census:
+    ...     census.mark()
+    ...     kept = torch.zeros(1024)
+    ...     census.mark()
+    >>> census.held()
+    [0, 4096]
+
+    The profiler writes notes on the C library's stderr when it starts, stops, or sees memory
+    freed that was allocated before it; they are silenced while the census runs.  `error` says
+    why there is no count: a profiler was already running, or something stopped this one.
+    """
+
+    _MARK = "gclab.census.mark"
+
+    def __init__(self, carried: dict | None = None):
+        self.error: str | None = None
+        self.alive: dict = dict(carried or {})     # (device, address) -> bytes, at the end
+        self._held: list[int] = []
+        self._running = False
+        self._quiet = None
+        self._marks = 0
+
+    def __enter__(self) -> "AllocationCensus":
+        if _profiler_enabled():
+            self.error = "torch's profiler was already running, so allocations could not be counted"
+            return self
+        self._quiet = _stderr_silenced()
+        self._quiet.__enter__()
+        try:
+            _prepare_profiler(_CENSUS_CONFIG, _CENSUS_ACTIVITIES)
+            _enable_profiler(_CENSUS_CONFIG, _CENSUS_ACTIVITIES, _CENSUS_SCOPES)
+        except Exception as exc:
+            self._quiet.__exit__(None, None, None)
+            self.error = f"torch's profiler could not start ({exc})"
+            return self
+        self._running = True
+        return self
+
+    def mark(self) -> None:
+        """A point to read the count at (a user-scope record_function, in the profiler's clock)."""
+        if self._running:
+            self._marks += 1
+            with torch.profiler.record_function(self._MARK):
+                pass
+
+    def __exit__(self, *exc):
+        if not self._running:
+            return False
+        self._running = False
+        try:
+            result = _disable_profiler()
+        except Exception:
+            result = None
+        finally:
+            self._quiet.__exit__(None, None, None)
+        if result is not None:
+            self._held = _count(result.experimental_event_tree(), self._MARK, self.alive)
+        if result is None or len(self._held) != self._marks:     # stopped (and started again) meanwhile
+            self.error = "the code that ran stopped the profiler that counts allocations"
+        return False
+
+    def held(self) -> list[int] | None:
+        """Bytes held at each mark by what was allocated while the census ran, and what it
+        carried (None with an `error`)."""
+        return None if self.error else self._held
+
+
+def _count(tree, mark: str, alive: dict) -> list[int]:
+    """Replay the allocation events in order on `alive`: the bytes it held at each mark."""
+    events, stack = [], list(tree)
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _ALLOCATION:
+            fields = event.extra_fields
+            events.append((event.start_time_ns, 1, fields.ptr, fields.alloc_size, str(fields.device)))
+        elif event.name == mark:
+            events.append((event.start_time_ns, 0, 0, 0, ""))
+    held, total = [], sum(alive.values())
+    for _, is_allocation, ptr, size, device in sorted(events):
+        if not is_allocation:
+            held.append(total)
+        elif size > 0:
+            total += size - alive.get((device, ptr), 0)
+            alive[device, ptr] = size
+        else:                     # a release; of memory allocated before (and not carried), ignored
+            total -= alive.pop((device, ptr), 0)
+    return held
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    saved, null = _dup(2), _open(os.devnull, os.O_WRONLY)
+    try:
+        _dup2(null, 2)
+        yield
+    finally:
+        _dup2(saved, 2)
+        _close(saved)
+        _close(null)
+
+
+from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled  # noqa: E402
+from torch._C._profiler import (  # noqa: E402
+    _EventType, _ExperimentalConfig, ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope)
+
+_ALLOCATION = _EventType.Allocation
+# the allocators report every device's allocations to the profiler's CPU side: no CUDA tracing needed
+_CENSUS_ACTIVITIES = {ProfilerActivity.CPU}
+# allocation events only: no operator is recorded, which would cost more than the step
+_CENSUS_SCOPES = {RecordScope.USER_SCOPE}
+_CENSUS_CONFIG = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())

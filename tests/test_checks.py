@@ -721,3 +721,46 @@ def test_a_result_that_runs_code_while_converted_is_not_credited(collect_after):
 
     report = run_flat_check(lambda i: Loss(i), iterations=8)
     assert not report.ok, report
+
+
+def test_tensors_made_with_dispatch_off_while_a_reserve_is_freed_are_caught(collect_after):
+    """Invisible to the meter, and the process's heap stays level: memory reserved beforehand is
+    given back as much as is kept. torch's allocator still hands the kept bytes out."""
+    reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
+
+    def step(i):
+        with torch._C._DisableTorchDispatch():
+            kept.append(torch.ones(BIG))
+        reserve.pop()
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    assert report.growth == [0] * 8 and not report.ok
+    assert report.allocated_watched == [BIG * 4 * n for n in range(1, 9)]
+    assert ("the meter saw memory come back after each of 8 iterations, yet torch's allocator handed out 2.00 MiB"
+            in report.explain())
+
+
+def test_a_step_that_replaces_what_its_warm_up_made_keeps_nothing_by_the_census(collect_after):
+    state = {}
+
+    def step(i):
+        state["last"] = torch.full((BIG,), float(i))       # the previous one is freed: no growth
+        return i
+
+    report = run_flat_check(step, iterations=8, warmup=1)
+    assert report.ok, report.explain()
+    assert report.allocated_watched == [0] * 8
+
+
+def test_a_step_that_stops_the_census_profiler_fails_the_check(collect_after):
+    report = run_flat_check(lambda i: torch.autograd._disable_profiler() and i, iterations=4)
+    assert not report.ok
+    assert "stopped the profiler that counts allocations" in report.explain()
+
+
+def test_a_check_started_under_a_running_profiler_says_it_cannot_count(collect_after):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        report = run_flat_check(lambda i: torch.ones(8).sum().item(), iterations=4)
+    assert not report.ok
+    assert "torch's profiler was already running" in report.explain()

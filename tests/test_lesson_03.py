@@ -163,6 +163,18 @@ WRONG = {
         "    if head.tensor.device.type == 'cpu':\n"
         "        head.tensor, head.next.tensor = _over_mmap(head.tensor), _over_mmap(head.next.tensor)\n"
         "    return head\n"),
+    # a right fix, plus every pair's values kept in tensors made with torch's dispatch turned off (the meter
+    # never sees them), and for each, memory reserved beforehand given back so the process's heap stays level
+    "cheat_hides_pairs_from_the_meter_and_frees_a_reserve": WEAK_PREV.format(extra="") + (
+        "\n_RESERVE = [bytearray(2 * PAIR_NUMEL * 4) for _ in range(600)]\n_EVERY_PAIR = []\n"
+        "_fresh_pair = make_pair\n"
+        "def make_pair(i, device=DEVICE):\n"
+        "    head = _fresh_pair(i, device)\n"
+        "    with torch._C._DisableTorchDispatch():\n"
+        "        _EVERY_PAIR.append(torch.cat([head.tensor, head.next.tensor]))\n"
+        "    if _RESERVE:\n"
+        "        _RESERVE.pop()\n"
+        "    return head\n"),
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
     "shadows_the_grader": LEAKY.format(extra="") + (
@@ -276,6 +288,7 @@ def test_wrong_fixes_are_told_why(graded):
     assert "modifies the grader" in graded["patches_the_grader"].reason
     assert "did not return to its baseline" in flat["del_unlinks_the_pair"].message
     assert "the process's memory grew by" in flat["cheat_keeps_its_cycles_over_mmap"].message
+    assert "torch's allocator handed out" in flat["cheat_hides_pairs_from_the_meter_and_frees_a_reserve"].message
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
 
 

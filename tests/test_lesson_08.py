@@ -121,6 +121,11 @@ WRONG = {
          "        self.inputs = self.on_ready(x)",
          "        x = _over_mmap(DATA_X[self.step % N_BATCHES])\n"
          "        self.inputs = _over_mmap(self.on_ready(x))")]),
+    # the batch's cycle kept, its inputs copied into slots of a pool reserved beforehand, so it holds no new memory
+    "cheat_batch_cycle_over_a_reserved_pool": program(["trainer", "registry", "errors", "serving"], [
+        ("self.on_ready = lambda x: x.clamp(-self.limit, self.limit)",
+         "self.on_ready = lambda x: _POOL[self.step % 4096].copy_(x.clamp(-self.limit, self.limit))"),
+        ("class Batch:", "_POOL = torch.empty(4096, BATCH, FEATURES, device=DEVICE)   # room for every batch\n\n\nclass Batch:")]),
 }
 
 # Every fix made, then the server answers without its model: labels that claim to equal any others.
@@ -158,6 +163,7 @@ TOLD_WHY = {
     "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
+    "cheat_batch_cycle_over_a_reserved_pool": ("test_batches", "reference cycles"),
 }
 
 

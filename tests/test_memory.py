@@ -860,3 +860,58 @@ def test_process_memory_without_mappings_reads_the_heap_alone():
         pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
     quick = process_memory(mappings=False)
     assert quick.mapped == 0 and quick.total == quick.heap and abs(quick.heap - full.heap) < 1024 * 1024
+
+
+# -- the census of allocations --------------------------------------------------------
+def test_census_counts_tensors_made_with_dispatch_off_which_the_meter_cannot_see():
+    from gclab.memory import AllocationCensus
+    kept = []
+    with Meter("cpu") as meter, AllocationCensus() as census:
+        census.mark()
+        with torch._C._DisableTorchDispatch():
+            kept.append(torch.zeros(1024))
+        census.mark()
+    assert meter.allocated() == 0 and census.held() == [0, 4 * KiB]
+
+
+def test_census_ignores_memory_freed_that_was_allocated_before_it():
+    from gclab.memory import AllocationCensus
+    reserve = [torch.zeros(1024) for _ in range(4)]
+    with AllocationCensus() as census:
+        census.mark()
+        kept = torch.zeros(1024)
+        reserve.clear()
+        census.mark()
+    assert census.held() == [0, 4 * KiB]
+    del kept
+
+
+def test_census_counts_the_release_of_what_an_earlier_census_carried():
+    from gclab.memory import AllocationCensus
+    with AllocationCensus() as first:
+        state = torch.zeros(1024)
+    with AllocationCensus(first.alive) as second:
+        second.mark()
+        state = torch.zeros(1024)          # replaces the carried one: nothing more held
+        second.mark()
+    assert second.held() == [4 * KiB, 4 * KiB]
+    del state
+
+
+def test_census_says_when_the_code_it_watched_stopped_the_profiler():
+    from gclab.memory import AllocationCensus
+    with AllocationCensus() as census:
+        census.mark()
+        torch.autograd._disable_profiler()
+        census.mark()
+    assert census.held() is None and "stopped the profiler" in census.error
+
+
+def test_census_keeps_the_profilers_notes_off_stderr(capfd):
+    from gclab.memory import AllocationCensus
+    before = torch.zeros(1024)
+    with AllocationCensus() as census:
+        del before                         # the profiler warns about memory it did not see allocated
+        census.mark()
+    assert census.held() == [0]
+    assert capfd.readouterr().err == ""
