@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .gcwatch import Collection, GCWatch
-from .held import HeldBytes, HeldReport
+from .held import HeldBytes, HeldReport, StorageCensus
 from .memory import AllocationCensus, Meter, ProcessMemory, format_bytes, process_memory
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
@@ -86,6 +86,8 @@ class FlatReport:
     allocated_watched: list[int] = field(default_factory=list)  # bytes torch's allocators handed out over the
                                                                # watched iterations and still held, after each
     census_error: str | None = None                            # why those could not be counted
+    tensors_kept_unwatched: int = 0                            # bytes of tensors the unwatched iterations left
+                                                               # alive, beyond those they replaced
 
     @property
     def leaked(self) -> int:
@@ -148,7 +150,8 @@ class FlatReport:
     @property
     def _unwatched_ok(self) -> bool:
         return (max(self.heap_unwatched, default=0) <= self.HEAP_SLACK and not any(self.device_unwatched)
-                and not self.collections_unwatched and not self._objects_kept_unwatched)
+                and not self.collections_unwatched and not self._objects_kept_unwatched
+                and self.tensors_kept_unwatched <= 0)
 
     @property
     def _objects_kept_unwatched(self) -> int:
@@ -189,7 +192,7 @@ class FlatReport:
     def _explain_unwatched(self) -> list[str]:
         where = (f"in {self.unwatched} more iteration{'s' if self.unwatched != 1 else ''} with the collector off, "
                  "run with nothing of the "
-                 "grader's in the process (no meter, no hook in gc.callbacks)")
+                 "grader's in the process (no meter, no profiler, no hook in gc.callbacks)")
         lines = []
         grew = max(self.heap_unwatched, default=0)
         if grew > self.HEAP_SLACK:
@@ -205,6 +208,13 @@ class FlatReport:
                 f"{self._objects_kept_unwatched // len(self.blocks_unwatched):,} per iteration): the code keeps "
                 "a copy of what each step made (numbers, lists, requests). Keep per step only what is needed, "
                 "a number or two.")
+        if self.tensors_kept_unwatched > 0:
+            lines.append(
+                f"{where}, tensors holding {format_bytes(self.tensors_kept_unwatched)} (about "
+                f"{format_bytes(self.tensors_kept_unwatched / self.unwatched)} per iteration) were left alive, "
+                "beyond those they replaced: the code keeps tensors when it is not measured (and gave back "
+                "memory it had reserved, for the process's memory to look level). A fix must free its "
+                "tensors whether or not anything watches it.")
         if any(self.device_unwatched):
             lines.append(f"{where}, the device's allocated memory grew by {format_bytes(max(self.device_unwatched))}.")
         if self.collections_unwatched:
@@ -345,7 +355,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                 report.collections = list(watch.collections)
                 if report.ok_so_far:
                     with meter.paused() if unwatched else contextlib.nullcontext():
-                        _run_unwatched(step, report, start=warmup + iterations)
+                        _run_unwatched(step, report, start=warmup + iterations, carried=census.alive)
                         if report.ok_so_far:
                             _run_collector_on(step, meter, report, start=warmup + iterations + unwatched)
             except Exception as exc:          # reported, not raised: the report says what happened
@@ -427,26 +437,35 @@ def _collections_so_far() -> int:
     return sum(generation["collections"] for generation in gc.get_stats())
 
 
-def _run_unwatched(step, report: FlatReport, start: int) -> None:
+def _run_unwatched(step, report: FlatReport, start: int, carried) -> None:
     """The unwatched, collector-off part of `run_flat_check`: the process's heap and the device's
-    count above their values before it, after each iteration, and the collections that ran."""
+    count above their values before it, after each iteration, and the collections that ran;
+    then the tensor storages it left alive that it did not find (`StorageCensus`), less those
+    it freed that the step had made before (`carried`: the allocation census's survivors)."""
     if not report.unwatched:
         return
-    # readings go into arrays made beforehand, and results are not kept, so that the check
-    # itself allocates nothing between readings: all they show is the step's
-    heap, blocks, device = (array.array("q", bytes(8 * report.unwatched)) for _ in range(3))
-    collections, device_start, before = _collections_so_far(), _device_bytes(report.device), _settled_memory()
-    for n in range(report.unwatched):
-        step(start + n)
-        now = _settled_memory()
-        heap[n], blocks[n] = now.total - before.total, now.blocks - before.blocks
-        device[n] = _device_bytes(report.device) - device_start
-        if gc.isenabled():
-            report.reenabled_gc = True
-            gc.disable()
-    report.collections_unwatched = _collections_so_far() - collections
-    report.heap_unwatched, report.blocks_unwatched = list(heap), list(blocks)
-    report.device_unwatched = list(device)
+    storages_before = StorageCensus()
+    try:
+        # readings go into arrays made beforehand, and results are not kept, so that the check
+        # itself allocates nothing between readings: all they show is the step's
+        heap, blocks, device = (array.array("q", bytes(8 * report.unwatched)) for _ in range(3))
+        collections, device_start, before = _collections_so_far(), _device_bytes(report.device), _settled_memory()
+        for n in range(report.unwatched):
+            step(start + n)
+            now = _settled_memory()
+            heap[n], blocks[n] = now.total - before.total, now.blocks - before.blocks
+            device[n] = _device_bytes(report.device) - device_start
+            if gc.isenabled():
+                report.reenabled_gc = True
+                gc.disable()
+        report.collections_unwatched = _collections_so_far() - collections
+        report.heap_unwatched, report.blocks_unwatched = list(heap), list(blocks)
+        report.device_unwatched = list(device)
+        storages_after = StorageCensus()
+        report.tensors_kept_unwatched = storages_after.new_bytes(storages_before, carried)
+        storages_after.close()
+    finally:
+        storages_before.close()
 
 
 def _device_bytes(device) -> int:

@@ -26,7 +26,7 @@ import torch
 from .cycles import instance_attributes
 from .memory import device_storage, format_bytes
 
-__all__ = ["HeldBytes", "HeldReport", "Holding", "tensors_held"]
+__all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "tensors_held"]
 
 # torch's C-level weak references to a storage: they keep no Python object alive
 _expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
@@ -115,6 +115,52 @@ def _graph_tensors(tensor):
                 found.extend(v for v in values if isinstance(v, torch.Tensor))
         todo.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+class StorageCensus:
+    """Every tensor storage the process's Python objects reach now (tensors the collector tracks,
+    leaf tensors' gradients, and what their autograd graphs saved), held by C-level weak
+    references, so taking it keeps nothing alive and leaves nothing the code could see.
+
+    `new_bytes(earlier, carried)`: the bytes of storages alive now that `earlier` did not hold,
+    less those `earlier` held that are gone now and were in `carried` (a set of (device,
+    address) of memory the code itself made before, which it may replace)."""
+
+    def __init__(self):
+        self._storages: dict[int, tuple[int, int, tuple[str, int]]] = {}    # key -> (weak ref, bytes, where)
+        for tensor in _tensors_reachable():
+            found = device_storage(tensor)
+            if found is None or found[0] in self._storages:
+                continue
+            key, storage, nbytes = found
+            self._storages[key] = (storage._weak_ref(), nbytes, (str(storage.device), storage.data_ptr()))
+
+    def new_bytes(self, earlier: "StorageCensus", carried) -> int:
+        before = earlier._storages
+        made = sum(nbytes for key, (_, nbytes, _) in self._storages.items()
+                   if key not in before or _expired(before[key][0]))
+        replaced = sum(nbytes for ref, nbytes, where in before.values() if where in carried and _expired(ref))
+        return made - replaced
+
+    def close(self) -> None:
+        for ref, _, _ in self._storages.values():
+            _free_weak_ref(ref)
+        self._storages.clear()
+
+
+def _tensors_reachable():
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        yield obj
+        try:
+            if obj.is_leaf:
+                if obj.grad is not None:
+                    yield obj.grad
+            elif obj.grad_fn is not None:
+                yield from _graph_tensors(obj)
+        except Exception:                       # a subclass that refuses: its own storage is counted
+            continue
 
 
 @dataclass

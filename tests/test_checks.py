@@ -764,3 +764,39 @@ def test_a_check_started_under_a_running_profiler_says_it_cannot_count(collect_a
         report = run_flat_check(lambda i: torch.ones(8).sum().item(), iterations=4)
     assert not report.ok
     assert "torch's profiler was already running" in report.explain()
+
+
+def test_tensors_kept_only_while_unwatched_behind_a_freed_reserve_are_caught(collect_after):
+    """No meter and no profiler to see it, and the process's memory level: memory reserved
+    beforehand is given back as much as is kept. The tensors are still there to be found."""
+    reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
+
+    def step(i):
+        features = torch.ones(BIG)
+        if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():
+            kept.append(features)
+            reserve.pop()
+        return i
+
+    report = run_flat_check(step, iterations=8)
+    assert report.growth == [0] * 8 and report.allocated_watched == [0] * 8 and not report.ok
+    assert report.tensors_kept_unwatched == report.unwatched * BIG * 4
+    assert "tensors holding 2.00 MiB (about 256.00 KiB per iteration) were left alive" in report.explain()
+
+
+def test_state_a_step_replaces_while_unwatched_is_not_taken_for_kept_tensors(collect_after):
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {}
+
+    def step(i):
+        optimizer.zero_grad(set_to_none=True)                # new gradients every step, the old ones freed
+        loss = model(torch.ones(4, 256)).square().mean()
+        loss.backward()
+        optimizer.step()
+        state["last"] = torch.full((BIG,), float(i))         # replaces the previous step's
+        return loss.item()
+
+    report = run_flat_check(step, iterations=8, warmup=1)
+    assert report.ok, report.explain()
+    assert report.tensors_kept_unwatched == 0

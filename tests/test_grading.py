@@ -400,3 +400,17 @@ def test_a_submission_leaves_nothing_behind_for_the_next(course, tmp_path):
                                                      "    return 0 if 'LEFT_BEHIND' in os.environ or hasattr(json, 'LEFT_BEHIND') else 2 * x")
     results = grading.grade([first, second], root=course)
     assert [r.score for r in results] == [2.0, 2.0], grading.format_results(results)
+
+
+def test_torchs_own_cache_folders_go_in_the_grading_folder_wherever_the_grader_points_them(course, tmp_path, monkeypatch):
+    """An optimizer imports torch._dynamo, which makes its cache folder: with the grader's environment
+    pointing it outside (TORCHINDUCTOR_CACHE_DIR is set once dynamo was imported anywhere), that write
+    must not be taken for the submission tampering."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "outside" / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "outside" / "triton"))
+    monkeypatch.setenv("GCLAB_GRADE_FORK", "0")            # a verdict process started with this environment
+    path = _submit(course, tmp_path, "trains", "import torch\n_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)\n"
+                                               "def double(x):\n    return 2 * x")
+    [result] = grading.grade([path], root=course)
+    assert result.score == 2.0, grading.format_results([result])
+    assert not (tmp_path / "outside").exists()

@@ -47,3 +47,21 @@ def test_a_storage_is_counted_once_and_as_the_device_counts_it():
     assert nbytes == 40 and device_storage(base[2:5])[0] == key       # a view shares its storage
     assert device_storage(base, device=torch.device("cuda:0")) is None
     assert device_storage(torch.zeros(3).to_sparse()) is None
+
+
+def test_storage_census_finds_gradients_and_what_graphs_saved_and_counts_only_new_ones():
+    from gclab.held import StorageCensus
+    weight = torch.ones(256, requires_grad=True)
+    (weight * 2).sum().backward()                              # weight.grad: 1 KiB
+    old_gradient = ("cpu", weight.grad.untyped_storage().data_ptr())
+    before = StorageCensus()
+    kept = [torch.ones(1024)]                                  # 4 KiB
+    kept.append(weight.exp())                                  # 1 KiB, and its graph saves its result
+    weight.grad = torch.zeros(256)                             # the old gradient freed, a new one: net 0
+    after = StorageCensus()
+    try:
+        assert after.new_bytes(before, carried=set()) == 4096 + 1024 + 1024
+        assert after.new_bytes(before, carried={old_gradient}) == 4096 + 1024   # the step's own, replaced
+    finally:
+        before.close()
+        after.close()
