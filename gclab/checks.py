@@ -88,6 +88,7 @@ class FlatReport:
     census_error: str | None = None                            # why those could not be counted
     tensors_kept_unwatched: int = 0                            # bytes of tensors the unwatched iterations left
                                                                # alive, beyond those they replaced
+    tensors_kept_collector_on: int = 0                         # ... and those with the collector on
 
     @property
     def leaked(self) -> int:
@@ -104,7 +105,8 @@ class FlatReport:
     @property
     def _on_path_ok(self) -> bool:
         # collections may run on this path and free older garbage, so memory may end below its baseline
-        return len(self.growth_collector_on) == self.with_collector_on and not self._held_collector_on
+        return (len(self.growth_collector_on) == self.with_collector_on and not self._held_collector_on
+                and self.tensors_kept_collector_on <= 0)
 
     @property
     def with_collector_on(self) -> int:
@@ -269,6 +271,12 @@ class FlatReport:
                 f"iteration {i} of {len(self.growth_collector_on)}: the code keeps tensors alive when the "
                 "collector is on (does it behave differently depending on gc.isenabled()?). A fix must "
                 "free memory by reference counting whether the collector is on or off.")
+        if self.tensors_kept_collector_on > 0 and not bad:
+            lines.append(
+                f"in {self.with_collector_on} more iterations with the collector on and nothing of the grader's "
+                f"watching, tensors holding {format_bytes(self.tensors_kept_collector_on)} were left alive, beyond "
+                "those they replaced: the code keeps tensors when the collector is on and nothing measures it. "
+                "A fix must free its tensors whether the collector is on or off, watched or not.")
         return " ".join(lines)
 
 
@@ -355,9 +363,10 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                 report.collections = list(watch.collections)
                 if report.ok_so_far:
                     with meter.paused() if unwatched else contextlib.nullcontext():
-                        _run_unwatched(step, report, start=warmup + iterations, carried=census.alive)
+                        made = _run_unwatched(step, report, start=warmup + iterations, carried=census.alive)
                         if report.ok_so_far:
-                            _run_collector_on(step, meter, report, start=warmup + iterations + unwatched)
+                            _run_collector_on(step, meter, report, start=warmup + iterations + unwatched,
+                                              carried=set(census.alive) | made)
             except Exception as exc:          # reported, not raised: the report says what happened
                 report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
             if held is not None:
@@ -437,13 +446,14 @@ def _collections_so_far() -> int:
     return sum(generation["collections"] for generation in gc.get_stats())
 
 
-def _run_unwatched(step, report: FlatReport, start: int, carried) -> None:
+def _run_unwatched(step, report: FlatReport, start: int, carried) -> set:
     """The unwatched, collector-off part of `run_flat_check`: the process's heap and the device's
     count above their values before it, after each iteration, and the collections that ran;
     then the tensor storages it left alive that it did not find (`StorageCensus`), less those
-    it freed that the step had made before (`carried`: the allocation census's survivors)."""
+    it freed that the step had made before (`carried`: the allocation census's survivors).
+    Returns where the storages it left alive are, for the next part to replace."""
     if not report.unwatched:
-        return
+        return set()
     storages_before = StorageCensus()
     try:
         # readings go into arrays made beforehand, and results are not kept, so that the check
@@ -463,7 +473,9 @@ def _run_unwatched(step, report: FlatReport, start: int, carried) -> None:
         report.device_unwatched = list(device)
         storages_after = StorageCensus()
         report.tensors_kept_unwatched = storages_after.new_bytes(storages_before, carried)
+        made = storages_after.new_places(storages_before)
         storages_after.close()
+        return made
     finally:
         storages_before.close()
 
@@ -472,14 +484,16 @@ def _device_bytes(device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def _run_collector_on(step, meter, report: FlatReport, start: int) -> None:
+def _run_collector_on(step, meter, report: FlatReport, start: int, carried=frozenset()) -> None:
     """The collector-on part of `run_flat_check`: growth after each iteration, collections allowed.
 
     After an unwatched part it runs unwatched too (the meter paused) and is judged by the
     process's heap: what a step keeps from one call to the next (a trainer's gradients, a
     cache's recent models) was made while the meter was paused, so the meter's count would
-    move as watched steps replace it, with no byte more held."""
+    move as watched steps replace it, with no byte more held.  Then, as after the unwatched
+    part, the tensor storages it left alive, less those it replaced of the step's (`carried`)."""
     gc.collect()                 # garbage left from before must not be freed inside the measurement
+    storages_before = StorageCensus() if report.unwatched else None
     baseline, heap_baseline, kept = meter.allocated(), _settled_memory(), 0
     gc.enable()
     try:
@@ -492,6 +506,11 @@ def _run_collector_on(step, meter, report: FlatReport, start: int) -> None:
                 report.heap_collector_on.append(_settled_memory().total - heap_baseline.total - kept)
     finally:
         gc.disable()
+        if storages_before is not None:
+            storages_after = StorageCensus()
+            report.tensors_kept_collector_on = storages_after.new_bytes(storages_before, carried)
+            storages_after.close()
+            storages_before.close()
 
 
 def assert_flat(report: FlatReport) -> None:

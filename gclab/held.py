@@ -142,6 +142,11 @@ class StorageCensus:
         replaced = sum(nbytes for ref, nbytes, where in before.values() if where in carried and _expired(ref))
         return made - replaced
 
+    def new_places(self, earlier: "StorageCensus") -> set:
+        """(device, address) of the storages alive now that `earlier` did not hold."""
+        before = earlier._storages
+        return {where for key, (_, _, where) in self._storages.items() if key not in before or _expired(before[key][0])}
+
     def close(self) -> None:
         for ref, _, _ in self._storages.values():
             _free_weak_ref(ref)

@@ -800,3 +800,19 @@ def test_state_a_step_replaces_while_unwatched_is_not_taken_for_kept_tensors(col
     report = run_flat_check(step, iterations=8, warmup=1)
     assert report.ok, report.explain()
     assert report.tensors_kept_unwatched == 0
+
+
+def test_tensors_kept_only_while_the_collector_is_on_behind_a_freed_reserve_are_caught(collect_after):
+    reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
+
+    def step(i):
+        features = torch.ones(BIG)
+        if gc.isenabled() and not torch._C._len_torch_dispatch_stack():
+            kept.append(features)
+            reserve.pop()
+        return i
+
+    report = run_flat_check(step, iterations=8, collector_on=4)
+    assert report.tensors_kept_unwatched == 0 and not report.ok
+    assert report.tensors_kept_collector_on == report.with_collector_on * BIG * 4
+    assert "with the collector on and nothing of the grader's watching, tensors holding 512.00 KiB" in report.explain()
