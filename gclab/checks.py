@@ -363,10 +363,14 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                 report.collections = list(watch.collections)
                 if report.ok_so_far:
                     with meter.paused() if unwatched else contextlib.nullcontext():
-                        made = _run_unwatched(step, report, start=warmup + iterations, carried=census.alive)
-                        if report.ok_so_far:
-                            _run_collector_on(step, meter, report, start=warmup + iterations + unwatched,
-                                              carried=set(census.alive) | made)
+                        storages, made = _run_unwatched(step, report, start=warmup + iterations, carried=census.alive)
+                        try:
+                            if report.ok_so_far:
+                                _run_collector_on(step, meter, report, start=warmup + iterations + unwatched,
+                                                  storages_before=storages, carried=set(census.alive) | made)
+                        finally:
+                            if storages is not None:
+                                storages.close()
             except Exception as exc:          # reported, not raised: the report says what happened
                 report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
             if held is not None:
@@ -446,14 +450,15 @@ def _collections_so_far() -> int:
     return sum(generation["collections"] for generation in gc.get_stats())
 
 
-def _run_unwatched(step, report: FlatReport, start: int, carried) -> set:
+def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[StorageCensus | None, set]:
     """The unwatched, collector-off part of `run_flat_check`: the process's heap and the device's
     count above their values before it, after each iteration, and the collections that ran;
     then the tensor storages it left alive that it did not find (`StorageCensus`), less those
     it freed that the step had made before (`carried`: the allocation census's survivors).
-    Returns where the storages it left alive are, for the next part to replace."""
+    Returns the census after it (the caller closes it) and where the storages it made are, for
+    the next part to replace."""
     if not report.unwatched:
-        return set()
+        return None, set()
     storages_before = StorageCensus()
     try:
         # readings go into arrays made beforehand, and results are not kept, so that the check
@@ -473,9 +478,7 @@ def _run_unwatched(step, report: FlatReport, start: int, carried) -> set:
         report.device_unwatched = list(device)
         storages_after = StorageCensus()
         report.tensors_kept_unwatched = storages_after.new_bytes(storages_before, carried)
-        made = storages_after.new_places(storages_before)
-        storages_after.close()
-        return made
+        return storages_after, storages_after.new_places(storages_before)
     finally:
         storages_before.close()
 
@@ -484,16 +487,18 @@ def _device_bytes(device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def _run_collector_on(step, meter, report: FlatReport, start: int, carried=frozenset()) -> None:
+def _run_collector_on(step, meter, report: FlatReport, start: int, storages_before: StorageCensus | None = None,
+                      carried=frozenset()) -> None:
     """The collector-on part of `run_flat_check`: growth after each iteration, collections allowed.
 
     After an unwatched part it runs unwatched too (the meter paused) and is judged by the
     process's heap: what a step keeps from one call to the next (a trainer's gradients, a
     cache's recent models) was made while the meter was paused, so the meter's count would
     move as watched steps replace it, with no byte more held.  Then, as after the unwatched
-    part, the tensor storages it left alive, less those it replaced of the step's (`carried`)."""
+    part, the tensor storages it left alive beyond `storages_before` (the census after the
+    unwatched part: what this collection frees of it, the unwatched part counted as kept), less
+    those it replaced of the step's (`carried`)."""
     gc.collect()                 # garbage left from before must not be freed inside the measurement
-    storages_before = StorageCensus() if report.unwatched else None
     baseline, heap_baseline, kept = meter.allocated(), _settled_memory(), 0
     gc.enable()
     try:
@@ -510,7 +515,6 @@ def _run_collector_on(step, meter, report: FlatReport, start: int, carried=froze
             storages_after = StorageCensus()
             report.tensors_kept_collector_on = storages_after.new_bytes(storages_before, carried)
             storages_after.close()
-            storages_before.close()
 
 
 def assert_flat(report: FlatReport) -> None:
