@@ -276,7 +276,29 @@ MEASURE_RESERVED_MINUS_BASELINE = MEASURE_RIGHT.replace("start = meter.reserved(
 VERDICTS_SPARES_IF_ANYTHING_LEFT = VERDICTS_RIGHT.replace(
     'readings["alive_after_empty_cache"] == readings["alive"]', 'readings["alive_after_empty_cache"] > 0')
 
+# the collector off only while the tensor is made: the `del` reading is taken with it on again
+MEASURE_COLLECTOR_OFF_ONLY_WHILE_MAKING = '''
+def measure_release(make_tensor, device=DEVICE):
+    with Meter(device) as meter:
+        start = meter.reserved()
+        with gc_disabled():
+            tensor = make_tensor()
+        alive, r_alive = meter.growth(), meter.reserved() - start
+        torch.cuda.empty_cache()
+        alive_after_empty_cache, r_alive_after = meter.growth(), meter.reserved() - start
+        del tensor
+        after_del, r_after_del = meter.growth(), meter.reserved() - start
+        torch.cuda.empty_cache()
+        last, r_last = meter.growth(), meter.reserved() - start
+    return {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
+            "after_del": after_del, "after_del_and_empty_cache": last,
+            "reserved": {"alive": r_alive, "alive_after_empty_cache": r_alive_after,
+                         "after_del": r_after_del, "after_del_and_empty_cache": r_last}}
+'''
+
 SUBMISSIONS = {
+    "releases_with_the_collector_on": (STORAGE_RIGHT + ACCOUNT_RIGHT,
+                                       MEASURE_COLLECTOR_OFF_ONLY_WHILE_MAKING + VERDICTS_RIGHT),
     "reserved_as_peak_collector_on_spares_if_anything_left": (
         STORAGE_RIGHT + ACCOUNT_RESERVED_AS_PEAK, MEASURE_COLLECTOR_ON + VERDICTS_SPARES_IF_ANYTHING_LEFT),
     "skips_the_first_empty_cache": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_SKIPS_FIRST_EMPTY_CACHE + VERDICTS_RIGHT),
@@ -317,6 +339,7 @@ ALTERNATIVES = {
 
 # What each wrong answer must lose: (submission, test cell that must fail).
 WRONG_ANSWERS = {
+    "the collector back on before `del`": ("releases_with_the_collector_on", "test_release_readings"),
     "views counted as new memory (numel x element_size)": ("numel_count_and_seed_verdict", "test_storage_bytes"),
     "seed's verdict: freed only by empty_cache()": ("numel_count_and_seed_verdict", "test_claim_verdicts"),
     "one storage counted once per view": ("reads_torch_cuda_directly", "test_storage_bytes"),
@@ -359,6 +382,7 @@ WRONG_ANSWERS = {
 
 # Right answers inside a wrong submission still earn their points.
 EARNED = {
+    "releases_with_the_collector_on": {"test_storage_bytes", "test_account", "test_claim_verdicts"},
     "reserved_as_peak_collector_on_spares_if_anything_left": {"test_storage_bytes"},
     "skips_the_first_empty_cache": {"test_storage_bytes", "test_account", "test_claim_verdicts"},
     "reserved_minus_the_meters_baseline": {"test_storage_bytes", "test_account", "test_claim_verdicts"},
