@@ -277,24 +277,9 @@ VERDICTS_SPARES_IF_ANYTHING_LEFT = VERDICTS_RIGHT.replace(
     'readings["alive_after_empty_cache"] == readings["alive"]', 'readings["alive_after_empty_cache"] > 0')
 
 # the collector off only while the tensor is made: the `del` reading is taken with it on again
-MEASURE_COLLECTOR_OFF_ONLY_WHILE_MAKING = '''
-def measure_release(make_tensor, device=DEVICE):
-    with Meter(device) as meter:
-        start = meter.reserved()
-        with gc_disabled():
-            tensor = make_tensor()
-        alive, r_alive = meter.growth(), meter.reserved() - start
-        torch.cuda.empty_cache()
-        alive_after_empty_cache, r_alive_after = meter.growth(), meter.reserved() - start
-        del tensor
-        after_del, r_after_del = meter.growth(), meter.reserved() - start
-        torch.cuda.empty_cache()
-        last, r_last = meter.growth(), meter.reserved() - start
-    return {"alive": alive, "alive_after_empty_cache": alive_after_empty_cache,
-            "after_del": after_del, "after_del_and_empty_cache": last,
-            "reserved": {"alive": r_alive, "alive_after_empty_cache": r_alive_after,
-                         "after_del": r_after_del, "after_del_and_empty_cache": r_last}}
-'''
+MEASURE_COLLECTOR_OFF_ONLY_WHILE_MAKING = MEASURE_RIGHT.replace(
+    "with gc_disabled(), Meter(device) as meter:", "with Meter(device) as meter:").replace(
+    "        tensor = make_tensor()\n", "        with gc_disabled():\n            tensor = make_tensor()\n")
 
 SUBMISSIONS = {
     "releases_with_the_collector_on": (STORAGE_RIGHT + ACCOUNT_RIGHT,
