@@ -124,8 +124,9 @@ class StorageCensus:
     references, so taking it keeps nothing alive and leaves nothing the code could see.
 
     `new_bytes(earlier, carried)`: the bytes of storages alive now that `earlier` did not hold,
-    less those `earlier` held that are gone now and were in `carried` (a set of (device,
-    address) of memory the code itself made before, which it may replace)."""
+    and what those it held grew by (`resize_`), less those `earlier` held that are gone now and
+    were in `carried` (a set of (device, address) of memory the code itself made before, which it
+    may replace)."""
 
     def __init__(self):
         self._storages: dict[int, tuple[int, int, tuple[str, int]]] = {}    # key -> (weak ref, bytes, where)
@@ -138,8 +139,8 @@ class StorageCensus:
 
     def new_bytes(self, earlier: "StorageCensus", carried) -> int:
         before = earlier._storages
-        made = sum(nbytes for key, (_, nbytes, _) in self._storages.items()
-                   if key not in before or _expired(before[key][0]))
+        made = sum(nbytes if key not in before or _expired(before[key][0]) else max(0, nbytes - before[key][1])
+                   for key, (_, nbytes, _) in self._storages.items())
         replaced = sum(nbytes for ref, nbytes, where in before.values() if where in carried and _expired(ref))
         return made - replaced
 

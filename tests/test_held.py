@@ -65,3 +65,16 @@ def test_storage_census_finds_gradients_and_what_graphs_saved_and_counts_only_ne
     finally:
         before.close()
         after.close()
+
+
+def test_storage_census_counts_what_a_storage_it_had_found_grew_by():
+    from gclab.held import StorageCensus
+    kept = torch.empty(0)
+    before = StorageCensus()
+    kept.resize_(1024)                                         # the same storage, 4 KiB bigger
+    after = StorageCensus()
+    try:
+        assert after.new_bytes(before, carried=set()) == 4096
+    finally:
+        before.close()
+        after.close()
