@@ -391,7 +391,7 @@ def _read_census(report: FlatReport, warming_up: AllocationCensus, census: Alloc
     error = warming_up.error or census.error
     if error:
         report.census_error = error
-    else:
+    elif census.available:                  # else a torch whose profiler API it does not know: no count
         held = census.held()
         report.allocated_watched = [bytes_ - held[0] for bytes_ in held[1:]]
 

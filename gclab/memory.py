@@ -708,7 +708,14 @@ class AllocationCensus:
         self._quiet = None
         self._marks = 0
 
+    @property
+    def available(self) -> bool:
+        """False in a torch whose profiler API the census does not know: then it counts nothing."""
+        return _PROFILER is not None
+
     def __enter__(self) -> "AllocationCensus":
+        if not self.available:
+            return self
         if _profiler_enabled():
             self.error = "torch's profiler was already running, so allocations could not be counted"
             return self
@@ -749,8 +756,8 @@ class AllocationCensus:
 
     def held(self) -> list[int] | None:
         """Bytes held at each mark by what was allocated while the census ran, and what it
-        carried (None with an `error`)."""
-        return None if self.error else self._held
+        carried (None with an `error`, or where the census is not `available`)."""
+        return None if self.error or not self.available else self._held
 
 
 def _count(tree, mark: str, alive: dict) -> list[int]:
@@ -788,13 +795,23 @@ def _stderr_silenced():
         _close(null)
 
 
-from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled  # noqa: E402
-from torch._C._profiler import (  # noqa: E402
-    _EventType, _ExperimentalConfig, ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope)
+def _census_profiler():
+    """torch's low-level profiler API, as the census uses it, or None in a torch that has it otherwise."""
+    try:
+        from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled
+        from torch._C._profiler import (
+            _EventType, _ExperimentalConfig, ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope)
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    except (ImportError, AttributeError, TypeError):
+        return None
+    return (_disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled, _EventType.Allocation,
+            # the allocators report every device's allocations to the profiler's CPU side: no CUDA tracing
+            {ProfilerActivity.CPU},
+            # allocation events only: no operator is recorded, which would cost more than the step
+            {RecordScope.USER_SCOPE}, config)
 
-_ALLOCATION = _EventType.Allocation
-# the allocators report every device's allocations to the profiler's CPU side: no CUDA tracing needed
-_CENSUS_ACTIVITIES = {ProfilerActivity.CPU}
-# allocation events only: no operator is recorded, which would cost more than the step
-_CENSUS_SCOPES = {RecordScope.USER_SCOPE}
-_CENSUS_CONFIG = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+
+_PROFILER = _census_profiler()
+if _PROFILER is not None:
+    (_disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled, _ALLOCATION,
+     _CENSUS_ACTIVITIES, _CENSUS_SCOPES, _CENSUS_CONFIG) = _PROFILER
