@@ -304,10 +304,10 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     The meter's baseline is taken after the warm-up iterations; after every watched iteration
     memory must be back at that baseline, to the byte, and no collection (automatic or
     explicit) may run.  Torch's profiler counts those iterations' allocations too
-    (`AllocationCensus`, from the allocators themselves): what they keep must come back
-    by its count as well, so tensors made with torch's dispatch turned off, which the CPU meter
-    cannot see, are caught even when memory reserved beforehand is freed to hide them.  In the unwatched iterations the meter is paused (no dispatch mode) and
-    no hook is in gc.callbacks, so code cannot behave well only while watched.  Where the
+    (`AllocationCensus`, from the allocators themselves): what they keep must come back by its
+    count as well, so tensors made with torch's dispatch turned off, which the CPU meter cannot
+    see, are caught even when memory reserved beforehand is freed to hide them.  In the
+    unwatched iterations the meter is paused (no dispatch mode) and no hook is in gc.callbacks, so code cannot behave well only while watched.  Where the
     process's memory can be read (`process_memory`: every CPU tensor's bytes, whichever thread
     made them and however), those with the collector off must leave the process's memory, the
     CUDA allocator's count and the collector's statistics where they were; those with the
@@ -363,14 +363,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                 report.collections = list(watch.collections)
                 if report.ok_so_far:
                     with meter.paused() if unwatched else contextlib.nullcontext():
-                        storages, made = _run_unwatched(step, report, start=warmup + iterations, carried=census.alive)
-                        try:
-                            if report.ok_so_far:
-                                _run_collector_on(step, meter, report, start=warmup + iterations + unwatched,
-                                                  storages_before=storages, carried=set(census.alive) | made)
-                        finally:
-                            if storages is not None:
-                                storages.close()
+                        _run_unwatched_parts(step, meter, report, start=warmup + iterations, carried=census.alive)
             except Exception as exc:          # reported, not raised: the report says what happened
                 report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
             if held is not None:
@@ -448,6 +441,17 @@ def _data_bytes(value, depth: int = 0) -> int:
 
 def _collections_so_far() -> int:
     return sum(generation["collections"] for generation in gc.get_stats())
+
+
+def _run_unwatched_parts(step, meter, report: FlatReport, start: int, carried) -> None:
+    """The unwatched iterations, collector off then on; `carried`: what the step made while watched."""
+    storages, made = _run_unwatched(step, report, start, carried)
+    try:
+        if report.ok_so_far:
+            _run_collector_on(step, meter, report, start + report.unwatched, storages, set(carried) | made)
+    finally:
+        if storages is not None:
+            storages.close()
 
 
 def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[StorageCensus | None, set]:
