@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .cycles import instance_attributes
-from .memory import device_storage, format_bytes
+from .memory import device_storage, format_bytes, storage_entry
 
 __all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "tensors_held"]
 
@@ -130,8 +130,8 @@ class StorageCensus:
 
     def __init__(self):
         self._storages: dict[int, tuple[int, int, tuple[str, int]]] = {}    # key -> (weak ref, bytes, where)
-        for tensor in _tensors_reachable():
-            found = device_storage(tensor)
+        for obj in _storage_holders():
+            found = storage_entry(obj) if isinstance(obj, torch._C.StorageBase) else device_storage(obj)
             if found is None or found[0] in self._storages:
                 continue
             key, storage, nbytes = found
@@ -156,21 +156,23 @@ class StorageCensus:
 
 
 class _TensorTypes(dict):
-    """type -> whether it is a tensor type, filled as types are met."""
+    """type -> whether it is a tensor's or a storage's type, filled as types are met."""
 
     def __missing__(self, kind):
-        self[kind] = is_tensor = issubclass(kind, torch.Tensor)
-        return is_tensor
+        self[kind] = holds_storage = issubclass(kind, (torch.Tensor, torch._C.StorageBase))
+        return holds_storage
 
 
 _TENSOR_TYPES = _TensorTypes()
 
 
-def _tensors_reachable():
+def _storage_holders():
     objects = gc.get_objects()
     # the objects are filtered in C (compress, map): a Python loop over a server's heap takes twice as long
     for obj in itertools.compress(objects, map(_TENSOR_TYPES.__getitem__, map(type, objects))):
         yield obj
+        if isinstance(obj, torch._C.StorageBase):        # a storage kept without any tensor
+            continue
         try:
             if obj.is_leaf:
                 if obj.grad is not None:

@@ -79,12 +79,21 @@ def device_storage(tensor, device=None):
         if device is not None and tensor.device != device:
             return None
         storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
     except Exception:                     # a tensor subclass, a functional wrapper
         return None
-    if tensor.device.type == "cuda":
-        nbytes = -(-nbytes // 512) * 512
-    return storage._cdata, storage, nbytes
+    return storage_entry(storage)
+
+
+def storage_entry(storage):
+    """(key, storage, bytes) of an untyped storage, bytes as its device counts them; None for one
+    it cannot read."""
+    try:
+        nbytes = storage.nbytes()
+        if storage.device.type == "cuda":
+            nbytes = -(-nbytes // 512) * 512
+        return storage._cdata, storage, nbytes
+    except Exception:
+        return None
 
 
 @dataclass(frozen=True)

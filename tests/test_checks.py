@@ -824,3 +824,21 @@ def test_a_torch_without_the_census_profiler_api_is_judged_without_that_count(co
     monkeypatch.setattr(gclab.memory, "_PROFILER", None)
     report = run_flat_check(lambda i: torch.ones(8).sum().item(), iterations=4)
     assert report.ok and report.allocated_watched == [], report.explain()
+
+
+@pytest.mark.parametrize("keep", ["storage", "numpy_view", "autograd_graph"])
+def test_tensor_memory_kept_unwatched_in_another_form_is_still_found(collect_after, keep):
+    weight = torch.ones(BIG, requires_grad=True)
+    forms = {"storage": lambda t: t.untyped_storage(), "numpy_view": lambda t: t.numpy(),
+             "autograd_graph": lambda t: (weight * t).sum()}           # the graph saves t
+    reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
+
+    def step(i):
+        features = torch.full((BIG,), float(i))
+        if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():
+            kept.append(forms[keep](features))
+            reserve.pop()
+        return i
+
+    report = run_flat_check(step, iterations=4)
+    assert not report.ok and report.tensors_kept_unwatched >= report.unwatched * BIG * 4, report.explain()

@@ -78,3 +78,16 @@ def test_storage_census_counts_what_a_storage_it_had_found_grew_by():
     finally:
         before.close()
         after.close()
+
+
+def test_storage_census_finds_a_storage_kept_without_any_tensor():
+    from gclab.held import StorageCensus
+    before = StorageCensus()
+    kept = [torch.ones(1024).untyped_storage()]               # the tensor is gone, its 4 KiB are not
+    after = StorageCensus()
+    try:
+        assert after.new_bytes(before, carried=set()) == 4096
+    finally:
+        before.close()
+        after.close()
+    del kept
