@@ -67,27 +67,26 @@ def test_storage_census_finds_gradients_and_what_graphs_saved_and_counts_only_ne
         after.close()
 
 
-def test_storage_census_counts_what_a_storage_it_had_found_grew_by():
+def _bytes_made_by(action):
+    """What the storage census counts as made while `action()` ran (whose result is kept meanwhile)."""
     from gclab.held import StorageCensus
-    kept = torch.empty(0)
     before = StorageCensus()
-    kept.resize_(1024)                                         # the same storage, 4 KiB bigger
-    after = StorageCensus()
     try:
-        assert after.new_bytes(before, carried=set()) == 4096
+        kept = action()
+        after = StorageCensus()
+        try:
+            return after.new_bytes(before, carried=set())
+        finally:
+            after.close()
+            del kept
     finally:
         before.close()
-        after.close()
+
+
+def test_storage_census_counts_what_a_storage_it_had_found_grew_by():
+    kept = torch.empty(0)
+    assert _bytes_made_by(lambda: kept.resize_(1024)) == 4096      # the same storage, 4 KiB bigger
 
 
 def test_storage_census_finds_a_storage_kept_without_any_tensor():
-    from gclab.held import StorageCensus
-    before = StorageCensus()
-    kept = [torch.ones(1024).untyped_storage()]               # the tensor is gone, its 4 KiB are not
-    after = StorageCensus()
-    try:
-        assert after.new_bytes(before, carried=set()) == 4096
-    finally:
-        before.close()
-        after.close()
-    del kept
+    assert _bytes_made_by(lambda: torch.ones(1024).untyped_storage()) == 4096   # the tensor is gone, not its bytes
