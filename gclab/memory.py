@@ -27,6 +27,7 @@ import re
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -725,14 +726,14 @@ class AllocationCensus:
     def __enter__(self) -> "AllocationCensus":
         if not self.available:
             return self
-        if _profiler_enabled():
+        if _PROFILER.running():
             self.error = "torch's profiler was already running, so allocations could not be counted"
             return self
         self._quiet = _stderr_silenced()
         self._quiet.__enter__()
         try:
-            _prepare_profiler(_CENSUS_CONFIG, _CENSUS_ACTIVITIES)
-            _enable_profiler(_CENSUS_CONFIG, _CENSUS_ACTIVITIES, _CENSUS_SCOPES)
+            _PROFILER.prepare(_PROFILER.config, _PROFILER.activities)
+            _PROFILER.enable(_PROFILER.config, _PROFILER.activities, _PROFILER.scopes)
         except Exception as exc:
             self._quiet.__exit__(None, None, None)
             self.error = f"torch's profiler could not start ({exc})"
@@ -752,7 +753,7 @@ class AllocationCensus:
             return False
         self._running = False
         try:
-            result = _disable_profiler()
+            result = _PROFILER.disable()
         except Exception:
             result = None
         finally:
@@ -775,7 +776,7 @@ def _count(tree, mark: str, alive: dict) -> list[int]:
     while stack:
         event = stack.pop()
         stack.extend(event.children)
-        if event.tag == _ALLOCATION:
+        if event.tag == _PROFILER.allocation:
             fields = event.extra_fields
             events.append((event.start_time_ns, 1, fields.ptr, fields.alloc_size, str(fields.device)))
         elif event.name == mark:
@@ -813,14 +814,13 @@ def _census_profiler():
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     except (ImportError, AttributeError, TypeError):
         return None
-    return (_disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled, _EventType.Allocation,
-            # the allocators report every device's allocations to the profiler's CPU side: no CUDA tracing
-            {ProfilerActivity.CPU},
-            # allocation events only: no operator is recorded, which would cost more than the step
-            {RecordScope.USER_SCOPE}, config)
+    return types.SimpleNamespace(
+        prepare=_prepare_profiler, enable=_enable_profiler, disable=_disable_profiler, running=_profiler_enabled,
+        allocation=_EventType.Allocation, config=config,
+        # the allocators report every device's allocations to the profiler's CPU side: no CUDA tracing
+        activities={ProfilerActivity.CPU},
+        # allocation events only: no operator is recorded, which would cost more than the step
+        scopes={RecordScope.USER_SCOPE})
 
 
 _PROFILER = _census_profiler()
-if _PROFILER is not None:
-    (_disable_profiler, _enable_profiler, _prepare_profiler, _profiler_enabled, _ALLOCATION,
-     _CENSUS_ACTIVITIES, _CENSUS_SCOPES, _CENSUS_CONFIG) = _PROFILER
