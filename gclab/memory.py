@@ -611,14 +611,21 @@ def _captured(write) -> bytes:
         return caught.read()
 
 
-def _to_stderr(fd: int) -> None:
+@contextlib.contextmanager
+def _stderr_into(fd: int):
+    """The C library's stderr (file descriptor 2) writes into `fd` meanwhile."""
     saved = _dup(2)
     try:
         _dup2(fd, 2)
-        _debugmallocstats()
+        yield
     finally:
         _dup2(saved, 2)
         _close(saved)
+
+
+def _to_stderr(fd: int) -> None:
+    with _stderr_into(fd):
+        _debugmallocstats()
 
 
 def _small_object_arenas() -> int | None:
@@ -795,13 +802,11 @@ def _count(tree, mark: str, alive: dict) -> list[int]:
 
 @contextlib.contextmanager
 def _stderr_silenced():
-    saved, null = _dup(2), _open(os.devnull, os.O_WRONLY)
+    null = _open(os.devnull, os.O_WRONLY)
     try:
-        _dup2(null, 2)
-        yield
+        with _stderr_into(null):
+            yield
     finally:
-        _dup2(saved, 2)
-        _close(saved)
         _close(null)
 
 
