@@ -12,3 +12,13 @@ def test_a_lesson_has_the_default_budget_unless_its_notebook_sets_one(tmp_path):
     nbformat.write(nb, load_test)
     assert bench.execute_budget(plain) == bench.EXECUTE_TARGET_S == 60
     assert bench.execute_budget(load_test) == 90
+
+
+def test_a_notebook_runs_without_the_kernels_warning_about_unencrypted_tcp(tmp_path, capfd):
+    """Over TCP, ipykernel warns at every start that its traffic is unencrypted: nine lines of
+    noise in `make bench`.  The kernel talks over Unix sockets in the scratch folder instead."""
+    path, out = tmp_path / "tiny.ipynb", tmp_path / "ran.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")]), path)
+    bench.execute_seconds(path, out)
+    assert nbformat.read(out, 4).cells[0].outputs[0].text == "42\n"
+    assert "without encryption" not in capfd.readouterr().err
