@@ -295,6 +295,9 @@ WRONG = {
     "callbacks_hold_the_cache": CALLBACKS_HOLD_THE_CACHE,
     "patches_the_grader": strong(after="\nchecks.assert_flat = lambda report: None\n"),
     "dead_refs_never_removed": DEAD_REFS_NEVER_REMOVED,
+    # a "warm pool" of every model, filled only while the collector is on: in production it never lets go
+    "pins_every_model_while_collector_on": reference(
+        strong='if gc.isenabled():\n            self.__dict__.setdefault("_pinned", {})[name] = model\n        ' + LRU),
 }
 
 # Which test each wrong fix must fail, and words its message must hold.
@@ -312,6 +315,7 @@ TOLD_WHY = {
     "fifo_eviction": ("test_keeps_recent", "least recently used"),
     "ring_of_last_requests": ("test_keeps_recent", "not the models of the last two requests"),
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
+    "pins_every_model_while_collector_on": ("test_frees_memory", "when the collector is on"),
 }
 
 
