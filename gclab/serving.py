@@ -513,10 +513,11 @@ async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: 
             state.idle_calls.append((now, last_call))
 
 
-def _install_guard(policy):
+def _install_guard(policy, workdir=None):
     """The lead's guard (gclab.guard), installed before the policy runs: it locks the grader's
     modules, lists what was replaced and refuses the policy what reaches past the server's tools
-    (frames, the collector's object graph, ctypes, new processes)."""
+    (frames, the collector's object graph, ctypes, new processes).  The policy may write only in
+    `workdir` (ModelServer makes it and removes it once the server has stopped)."""
     if not policy:
         return None
     try:
@@ -529,11 +530,12 @@ def _install_guard(policy):
         package = sys.modules.get("gclab")
         if package is not None and not hasattr(package, "serving"):
             package.serving = main
-    return guard.install(workdir=tempfile.mkdtemp(prefix="gclab-policy-work-"), processes=False, files=True)
+    workdir = workdir or tempfile.mkdtemp(prefix="gclab-policy-work-")     # started by hand
+    return guard.install(workdir=workdir, processes=False, files=True)
 
 
 def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
-          cache_size: int, idle_after: float, device_ms: float) -> None:
+          cache_size: int, idle_after: float, device_ms: float, workdir: str | None = None) -> None:
     import socket
 
     import torch
@@ -557,7 +559,7 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     import starlette.responses  # noqa: F401  (loaded before the guard takes its manifest)
     import starlette.routing  # noqa: F401
     before, parts = _snapshot(), _parts(state, on_gc)
-    guard = _install_guard(policy)
+    guard = _install_guard(policy, workdir)
     report = _audit(record, state, on_gc, guard, full_cpu, token, before, parts)
     gc.callbacks.append(on_gc)
     record(("reset", token), wait=True)
@@ -902,7 +904,7 @@ class ModelServer:
                             device=str(device or default_device()), cache_size=cache_size, idle_after=idle_after,
                             device_ms=device_ms)
         self.startup_timeout = startup_timeout
-        self.proc = None
+        self.proc = self._workdir = None
         self.port = self.trace_port = None
 
     @property
@@ -919,7 +921,11 @@ class ModelServer:
         argv = ["serve", "--heap-objects", str(o["heap_objects"]), "--device", o["device"],
                 "--cache-size", str(o["cache_size"]), "--idle-after", str(o["idle_after"]),
                 "--device-ms", str(o["device_ms"]), "--attribution", o["attribution"]]
-        argv += ["--policy", o["policy"]] if o["policy"] else []
+        if o["policy"]:
+            # the policy's writable folder, made here: a server is stopped by a signal, so it
+            # cannot remove the folder itself (stop() does, and the folder's finalizer)
+            self._workdir = tempfile.TemporaryDirectory(prefix="gclab-policy-work-", ignore_cleanup_errors=True)
+            argv += ["--policy", o["policy"], "--workdir", self._workdir.name]
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = _spawn(argv, self._log)
         self._finalizer = weakref.finalize(self, _kill, self.proc)
@@ -954,6 +960,8 @@ class ModelServer:
                 _kill(self.proc)
         if self.proc is not None:
             self.proc.stdout.close()
+        if self._workdir is not None:
+            self._workdir.cleanup()
 
     def __enter__(self) -> "ModelServer":
         return self.start()
@@ -1251,6 +1259,7 @@ def main(argv=None) -> int:
     s.add_argument("--heap-objects", type=int, default=HEAP_OBJECTS)
     s.add_argument("--attribution", choices=ATTRIBUTION, default="off")
     s.add_argument("--policy")
+    s.add_argument("--workdir", help="the folder the policy may write to (default: a new temporary one)")
     s.add_argument("--device", default="cpu")
     s.add_argument("--cache-size", type=int, default=100)
     s.add_argument("--idle-after", type=float, default=0.01)
@@ -1265,7 +1274,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after,
-              args.device_ms)
+              args.device_ms, args.workdir)
     else:
         load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout)
     return 0

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,18 @@ def test_a_broken_policy_stops_the_start_with_its_error(tmp_path):
     policy = _policy(tmp_path, "raise ValueError('my policy is broken')\n")
     with pytest.raises(RuntimeError, match="my policy is broken"):
         ModelServer(heap_objects=1000, policy=policy).start()
+
+
+def test_the_folder_a_policy_may_write_to_is_removed_once_its_server_stops(tmp_path):
+    policy = _policy(tmp_path, "def on_startup():\n    pass\n")
+    with ModelServer(heap_objects=1000, policy=policy) as server:
+        folder = Path(server._workdir.name)
+        assert folder.is_dir()
+    assert not folder.exists(), "a grading of many servers must not fill the temporary folder"
+    broken = ModelServer(heap_objects=1000, policy=_policy(tmp_path, "raise ValueError('broken')\n", "b.py"))
+    with pytest.raises(RuntimeError):
+        broken.start()
+    assert not Path(broken._workdir.name).exists()
 
 
 def test_trace_reset_starts_a_fresh_record():
