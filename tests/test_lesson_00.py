@@ -276,7 +276,11 @@ MEASURE_RESERVED_MINUS_BASELINE = MEASURE_RIGHT.replace("start = meter.reserved(
 VERDICTS_SPARES_IF_ANYTHING_LEFT = VERDICTS_RIGHT.replace(
     'readings["alive_after_empty_cache"] == readings["alive"]', 'readings["alive_after_empty_cache"] > 0')
 
-# the collector off only while the tensor is made: the `del` reading is taken with it on again
+# the collector off only while the tensor is made: the `del` reading is taken with it on again# "Before del" read as the first reading: the figure is compared with "alive", before the first
+# empty_cache(), which may already have handed cached blocks back.
+VERDICTS_FROM_THE_FIRST_READING = VERDICTS_RIGHT.replace('f["after_del"] >= f["alive_after_empty_cache"]',
+                                                          'f["after_del"] >= f["alive"]')
+
 MEASURE_COLLECTOR_OFF_ONLY_WHILE_MAKING = MEASURE_RIGHT.replace(
     "with gc_disabled(), Meter(device) as meter:", "with Meter(device) as meter:").replace(
     "        tensor = make_tensor()\n", "        with gc_disabled():\n            tensor = make_tensor()\n")
@@ -301,6 +305,8 @@ SUBMISSIONS = {
         STORAGE_RIGHT + ACCOUNT_BEFORE_ZERO, MEASURE_RESERVED_ABSOLUTE + VERDICTS_RIGHT),
     "verdict_from_allocated_only": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_FROM_ALLOCATED),
     "verdict_from_the_fall_at_empty_cache_only": (STORAGE_RIGHT + ACCOUNT_RIGHT, MEASURE_RIGHT + VERDICTS_FALL_ONLY),
+    "compares_after_del_with_the_first_reading": (STORAGE_RIGHT + ACCOUNT_RIGHT,
+                                                  MEASURE_RIGHT + VERDICTS_FROM_THE_FIRST_READING),
 }
 
 # Nothing measured: every reading claims to equal whatever a test compares it with.
@@ -354,6 +360,8 @@ WRONG_ANSWERS = {
     "reserved half of the claim judged from allocated memory": ("verdict_from_allocated_only", "test_claim_verdicts"),
     "a figure that fell at del counted as waiting for empty_cache()": (
         "verdict_from_the_fall_at_empty_cache_only", "test_claim_verdicts"),
+    "the reading after del compared with the first one, not the one just before del": (
+        "compares_after_del_with_the_first_reading", "test_claim_verdicts"),
     "reserved read as peak (the same until something empties the cache)": (
         "reserved_as_peak_collector_on_spares_if_anything_left", "test_account"),
     "measured with the collector on, collecting before each reading": (
@@ -379,6 +387,7 @@ EARNED = {
     "before_hard_wired_to_zero_reserved_not_minus_start": {"test_storage_bytes", "test_claim_verdicts"},
     "verdict_from_allocated_only": {"test_storage_bytes", "test_account", "test_release_readings"},
     "verdict_from_the_fall_at_empty_cache_only": {"test_storage_bytes", "test_account", "test_release_readings"},
+    "compares_after_del_with_the_first_reading": {"test_storage_bytes", "test_account", "test_release_readings"},
 }
 
 
@@ -460,6 +469,8 @@ def test_wrong_answers_are_told_by_how_much(graded):
     assert "reserved verdict follows the allocated figures" in from_allocated, from_allocated
     fall_only = cell_result(graded["verdict_from_the_fall_at_empty_cache_only"], "test_claim_verdicts").message
     assert "already fell at `del`" in fall_only, fall_only
+    first = cell_result(graded["compares_after_del_with_the_first_reading"], "test_claim_verdicts").message
+    assert "readings['alive_after_empty_cache']" in first and "follows the allocated" not in first, first
     zero = cell_result(graded["before_hard_wired_to_zero_reserved_not_minus_start"], "test_account").message
     assert "before is 0 B, expected 3.00 MiB" in zero, zero
 
