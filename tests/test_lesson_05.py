@@ -69,6 +69,13 @@ WRONG = {
                                                        "if torch.cuda.is_available(): torch.cuda.empty_cache()"),
     "detaches_before_backward": trainer(backward="loss = loss.detach()\n        loss.backward()"),
     "drops_history_and_metrics": trainer(keep="pass"),
+    # every leak fixed but the errors' frames, which are kept with the tensors in them emptied by hand
+    # (traceback.clear_frames cannot clear train_step's frame: it is still running)
+    "keeps_errors_with_their_frames_emptied": trainer(error="error").replace(
+        "        except FloatingPointError as error:\n",
+        "        except FloatingPointError as error:\n"
+        "            output = loss = None                         # the frames must not hold the tensors\n"
+        "            traceback.clear_frames(error.__traceback__)\n"),
     "keeps_detached_tensors": trainer(keep='self.history.append(loss.detach())\n        self.metrics.append('
                                            '{"step": step, "loss": loss.detach(), "grad_norm": grad_norm.detach()})'),
     "patches_the_grader": leaky() + "\nchecks.assert_flat = lambda report: None\n",
@@ -187,13 +194,16 @@ def test_wrong_fixes_are_told_why(graded):
     for test in graded["detaches_before_backward"].tests:      # told, not crashed
         assert test.status == "failed" and "RuntimeError" in test.message, test
     assert "modifies the grader" in graded["patches_the_grader"].reason
+    emptied = message("keeps_errors_with_their_frames_emptied", "test_memory_flat")
+    assert re.search(r"keeps \d+ error\(s\) with a traceback", emptied) and "with_traceback(None)" in emptied, emptied
 
 
 def test_partial_fixes_keep_the_points_they_earn(graded):
     """A fix that is right but for one leak (errors kept with their frames) loses only the memory test's points."""
-    result = graded["del_and_empty_cache"]
-    assert result.score == POINTS - 4, grading.format_results([result])
-    assert cell_result(result, "test_still_learns").status == "passed"
+    for name in ("del_and_empty_cache", "keeps_errors_with_their_frames_emptied"):
+        result = graded[name]
+        assert result.score == POINTS - 4, grading.format_results([result])
+        assert cell_result(result, "test_still_learns").status == "passed"
 
 
 

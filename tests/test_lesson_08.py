@@ -99,6 +99,16 @@ WRONG = {
         (SERVE_COLLECTS,
          "        self.served = getattr(self, 'served', 0) + 1\n"
          "        if self.served % 50 == 0:\n            gc.collect()")]),
+    # the collection in every request made rarer by a clock: the job, with the collector off, still collects
+    "collects_at_most_once_a_second": "import time\n" + program(["batches", "trainer", "registry", "errors"], [
+        (SERVE_COLLECTS,
+         "        now = time.monotonic()\n"
+         "        if now - getattr(self, 'last_collect', 0.0) > 1.0:\n"
+         "            self.last_collect = now\n            gc.collect()")]),
+    # the batch's cycle broken by clipping at the module's LIMIT: a batch made with its own limit ignores it
+    "batch_clips_at_the_global_limit": program(["trainer", "registry", "errors", "serving"], [
+        ("self.on_ready = lambda x: x.clamp(-self.limit, self.limit)",
+         "self.on_ready = lambda x: x.clamp(-LIMIT, LIMIT)       # no reference back to self")]),
     "purely_weak_registry": program(["batches", "trainer", "errors", "serving"], [
         ("        self.versions = {}", "        self.versions = weakref.WeakValueDictionary()")]),
     "patches_the_grader": program() + "\nserving.full_collection_cpu = lambda repeats=3: 10.0\n",
@@ -166,6 +176,8 @@ TOLD_WHY = {
     "cheat_collects_unless_watched": ("test_serving", "full collections, against 0 while watched"),
     "cheat_collects_unless_serve_inline_watches": ("test_serving", "a program must do the same whether or not"),
     "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
+    "collects_at_most_once_a_second": ("test_job", "so the program called gc.collect() itself"),
+    "batch_clips_at_the_global_limit": ("test_batches", "a batch clipped at its own limit"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
     "cheat_batch_cycle_over_a_reserved_pool": ("test_batches", "reference cycles"),
