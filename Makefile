@@ -64,13 +64,15 @@ lab: $(STAMP) $(KERNEL)
 	JUPYTER_CONFIG_PATH="$(CURDIR)/$(if $(AUTHOR),autograder,lab)" \
 	  $(VENV)/bin/jupyter lab $(LAB_ARGS) $(if $(AUTHOR),.,notebooks/)
 
-# Two passes: the tests that time a server (marked `timed`) alone, as the grader grades a timed
-# lesson; then the rest TEST_JOBS modules at a time (pytest-xdist), which fills the cores those
-# leave idle. A pass that selects no test (exit 5, PYTEST_ARGS="-k meter") is not a failure.
+# Two passes, each TEST_JOBS modules at a time (pytest-xdist): first the tests that time a server
+# (marked `timed`: lesson 06, graded one submission at a time as the grader grades a timed lesson,
+# beside the serving tests; their servers mostly wait for load, so each module alone left a core
+# idle), away from the CPU-bound rest; then the rest. A pass that selects no test (exit 5,
+# PYTEST_ARGS="-k meter") is not a failure.
 TEST_JOBS ?= 2
 test: $(STAMP) $(KERNEL)
 	@status=0; \
-	$(PY) -m pytest -q tests -m timed $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q tests -m timed -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -q tests -m "not timed" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) \
 	  || [ $$? -eq 5 ] || status=1; \
 	exit $$status

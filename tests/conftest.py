@@ -5,7 +5,7 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "timed: times a server's latency; `make test` runs these alone, before the rest")
+        "markers", "timed: times a server's latency; `make test` runs these before the rest, apart from it")
 
 
 @pytest.fixture(autouse=True)
