@@ -31,6 +31,7 @@ own included) is not prevented but is listed by `problems()`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -63,6 +64,12 @@ _FILE_EVENTS = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.
                           "os.setxattr", "os.removexattr"})
 _MODULE_EVENTS = frozenset({"gclab.guard.setattr", "gclab.guard.delattr"})
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+# A process's memory, read as a file: the verdict's secrets (its result channel's token) and the
+# hidden tests are in it.  Any pid (the grader's own), any thread, the kernel's and the machine's.
+_MEMORY_FILES = re.compile(r"/proc/[^/]+/(task/[^/]+/)?mem|/proc/kcore|/dev/k?mem|/dev/port")
+# Devices whose files are memory (tmpfs): not counted in the process's address-space limit, and left
+# behind after grading.
+_MEMORY_FOLDERS = ("/dev/shm/", "/dev/mqueue/")
 
 # The environment as the process was when gclab.guard was first imported: the grader imports
 # its instruments (and this module) before any learner code runs, and the processes gclab
@@ -116,6 +123,7 @@ class Guard:
         # bound now: the hook and the manifest's check must not look names up in globals the
         # learner's code can rebind through a module's __dict__ (that would be listed, not prevented)
         self._same_tool, self._read, self._realpath, self._fsdecode = _same_tool, _read, os.path.realpath, os.fsdecode
+        self._memory_file, self._memory_folders = _MEMORY_FILES.fullmatch, _MEMORY_FOLDERS
         self._manifest = self._take_manifest()
 
     # -- what the grader's tools are -------------------------------------------------------
@@ -298,9 +306,12 @@ class Guard:
         except (TypeError, ValueError):
             return None
         inside = (real + os.sep).startswith(self.workdir)
+        if self._memory_file(real) and self.learner_on_stack(frame):
+            return f"opening {real} (a process's memory)"
         writes = event != "open" or (isinstance(args[1], str) and any(c in args[1] for c in "wax+")) or (
             args[1] is None and isinstance(args[2], int) and bool(args[2] & _WRITE_FLAGS))
-        if writes and self.files and not inside and not real.startswith("/dev/"):
+        device = real.startswith("/dev/") and not (real + os.sep).startswith(self._memory_folders)
+        if writes and self.files and not inside and not device:
             if self.learner_on_stack(frame):
                 return f"writing {real} (outside the grading folder)"
         elif (not inside and (real + os.sep).startswith(self.hidden) and not self._library_file(real)

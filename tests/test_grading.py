@@ -106,6 +106,22 @@ def hostile(course, tmp_path_factory):
         "forges_the_result_channel": ("import os\nfor fd in range(3, 64):\n    try:\n"
                                       "        os.write(fd, b'{\"event\": \"result\", \"test\": \"test_double\", \"status\": \"passed\"}\\n')\n"
                                       "    except OSError:\n        pass"),
+        # the result channel's token read from the verdict process's own memory, then results forged with it
+        "forges_results_with_the_token_read_from_memory": (
+            "import collections, json, os, re\nseen = collections.Counter()\n"
+            "with open('/proc/self/mem', 'rb') as mem:\n"
+            "    for line in open('/proc/self/maps'):\n"
+            "        span, perms = line.split()[:2]\n"
+            "        if perms.startswith('rw'):\n"
+            "            start, end = (int(x, 16) for x in span.split('-'))\n"
+            "            try:\n                mem.seek(start)\n"
+            "                seen.update(re.findall(rb'(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])', mem.read(end - start)))\n"
+            "            except (OSError, OverflowError, ValueError):\n                pass\n"
+            "token = seen.most_common(1)[0][0].decode()\n"
+            "for fd in range(3, 64):\n    try:\n"
+            "        os.write(fd, (json.dumps({'token': token, 'event': 'result', 'test': 'test_double',"
+            " 'status': 'passed'}) + '\\n').encode())\n"
+            "    except OSError:\n        pass"),
         # a guard of its own has nothing of the grader's: the grader's record of replacements stands
         "clears_the_guards_record": ("import gclab.guard, gclab.memory\nmine = gclab.guard.install()\n"
                                      "getattr(mine, '_manifest').clear()\nmine.refused.clear()\nput = setattr\n"
@@ -136,7 +152,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "fork_bomb", "writes_into_the_course", "reads_the_solution", "forges_the_result_channel", "invalid_json",
            "stripped_metadata", "emptied_test_cells", "deleted_test_cells", "another_lessons_notebook",
            "escapes_with_setsid", "clears_the_guards_record", "rebinds_a_tool_through_globals",
-           "rebinds_a_tool_through_exec", "rebinds_a_tool_through_main_module"]
+           "rebinds_a_tool_through_exec", "rebinds_a_tool_through_main_module",
+           "forges_results_with_the_token_read_from_memory"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -165,6 +182,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("reads_the_solution", "the course's own files"),
     ("escapes_with_setsid", "subprocess.Popen"),
     ("forges_the_result_channel", "result channel"),
+    ("forges_results_with_the_token_read_from_memory", "(a process's memory)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),
     ("rebinds_a_tool_through_exec", "checks (which the set-up cell imports) was rebound"),

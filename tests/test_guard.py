@@ -49,6 +49,10 @@ LEARNER = textwrap.dedent('''
     attempt("frames", lambda: sys._getframe(0))
     attempt("processes", lambda: subprocess.run(["true"]))
     attempt("writing outside", lambda: open(outside, "w"))
+    attempt("reading its own memory", lambda: open("/proc/self/mem", "rb"))
+    attempt("reading the grader's memory", lambda: os.open(f"/proc/{os.getppid()}/task/{os.getppid()}/mem", os.O_RDONLY))
+    attempt("writing shared memory", lambda: open("/dev/shm/gclab-guard-test", "w"))
+    attempt("writing to /dev/null", lambda: open("/dev/null", "w").write("fine"))
     attempt("unlocking gc through its class", lambda: put(gc, "__class__", types.ModuleType))
     attempt("replacing gc.collect", lambda: put(gc, "collect", lambda *args: 0))
 ''')
@@ -74,6 +78,9 @@ def test_the_learners_code_finds_no_handle_on_the_installed_guard(attacked):
     ("frames", "sys._getframe"),
     ("processes", "subprocess.Popen"),
     ("writing outside", "outside the grading folder"),
+    ("reading its own memory", "(a process's memory)"),
+    ("reading the grader's memory", "(a process's memory)"),
+    ("writing shared memory", "writing /dev/shm/gclab-guard-test (outside the grading folder)"),
     ("unlocking gc through its class", "gc.__class__"),
     ("replacing gc.collect", "gc.collect"),
 ])
@@ -81,6 +88,10 @@ def test_refusals_hold_after_the_learner_rewrote_the_guard_class_and_its_own_gua
     assert attacked["outcomes"][action] != "allowed" and refusal in attacked["outcomes"][action]
     assert any(refusal in problem for problem in attacked["problems"]), attacked["problems"]
     assert not attacked["outside"].exists()
+
+
+def test_devices_that_are_not_memory_may_still_be_written(attacked):
+    assert attacked["outcomes"]["writing to /dev/null"] == "allowed"
 
 
 @pytest.mark.parametrize("replaced", [
