@@ -721,6 +721,15 @@ class Trace:
         last = max(end for _, _, end in self.requests)
         return sum(1 for t in self.info.get("idle_call_times", []) if first < t < last)
 
+    def collections_while_serving(self, generation: int) -> list[Collection]:
+        """Collections of `generation` that started while the load ran (from the first request's
+        start to the last one's end), inside requests or between them."""
+        if not self.requests:
+            return []
+        first = min(start for _, start, _ in self.requests)
+        last = max(end for _, _, end in self.requests)
+        return [c for c in self.collections if c.generation == generation and first <= c.start <= last]
+
     def freed_while_serving(self, until: float | None = None) -> int:
         """How many responses' cyclic garbage the collector freed before `until` (default: the end
         of the last request)."""

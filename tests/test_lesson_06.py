@@ -49,6 +49,10 @@ WRONG = {
     "collect_after_every_request": _policy("def after_request(in_flight):\n    gc.collect()\n"),
     "thresholds_so_high_nothing_is_collected": _policy(
         "def on_startup():\n    gc.set_threshold(1_000_000, 1000, 1000)\n"),
+    # the pause postponed, not removed: no full collection in a load this short; the next comes in a request
+    "thresholds_raised_alone": _policy("def on_startup():\n    gc.set_threshold(50_000)\n"),
+    # young collections only: what survives them is never collected once it dies
+    "young_collections_only": _policy("def on_startup():\n    gc.set_threshold(100_000, 10**9, 10**9)\n"),
     "collect_only_when_the_load_is_over": _policy(
         "def on_startup():\n    gc.freeze()\n    gc.set_threshold(700, 10, 10**9)\n"
         "def on_idle(idle_seconds):\n    if idle_seconds > 0.2:\n        gc.collect()\n"),
@@ -202,6 +206,8 @@ def test_wrong_policies_are_told_what_failed(graded):
     assert "over the bound" in message("collector_off_for_good")
     assert "over the bound" in message("thresholds_so_high_nothing_is_collected")
     assert "collecting only once the load is over" in message("collect_only_when_the_load_is_over")
+    for name in ("thresholds_raised_alone", "young_collections_only"):
+        assert "No full (generation 2) collection ran while the load was served" in message(name), message(name)
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
     # refused before it runs (the grader reads the policy's source), or caught by the server

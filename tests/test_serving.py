@@ -359,8 +359,11 @@ def test_compare_interleaves_the_loads_and_keeps_the_servers_running():
 
 
 # -- judging a policy on what the server recorded (gclab.checks.PolicyReport) ------------------
-def _run(name="your policy", collections=(), uncollected=0, peak=0, failed=0, requests=100, tampered=(),
-         freed=(), idle=(), p50_ms=8.0, full_cpu=0.1):
+IDLE_FULL_COLLECTION = (_served(2, 50.5, 0.01, 0.001),)      # between two requests
+
+
+def _run(name="your policy", collections=IDLE_FULL_COLLECTION, uncollected=0, peak=0, failed=0, requests=100,
+         tampered=(), freed=(), idle=(), p50_ms=8.0, full_cpu=0.1):
     from gclab.serving import ServedRun
     scheduled = [float(i) for i in range(requests)]
     done = [t + p50_ms / 1e3 for t in scheduled]
@@ -408,6 +411,16 @@ def test_garbage_never_collected_is_a_fact_and_garbage_collected_late_is_measure
     assert "collecting only once the load is over, is not a fact" not in never.explain()
     late = _report(uncollected=0, peak=90, freed=[200.0])
     assert not late.ok and late.failed_by_facts() == []
+
+
+def test_a_policy_that_runs_no_full_collection_while_serving_has_only_postponed_them():
+    raised = _report(collections=[_served(0, 3.001, 1e-4, 1e-4), _served(1, 40.003, 0.004, 0.004)], peak=30,
+                     freed=[1.0])
+    assert not raised.ok and not raised.checks["full collections while serving"]
+    assert "No full (generation 2) collection ran while the load was served" in raised.explain()
+    assert raised.failed_by_facts() == [], "a machine too busy to leave idle moments can cause it: measured again"
+    after_the_load = _report(collections=[_served(2, 150.0, 0.01, 0.001)], freed=[150.0])
+    assert not after_the_load.checks["full collections while serving"]
 
 
 def test_a_tampered_record_fails_and_says_so():
