@@ -15,6 +15,7 @@ no other unit beside it.
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class Submission:
     student: str
     assignment: str
     path: Path
+    notebook: str = ""              # the lesson's notebook it is graded as ("": the one its name says)
 
 
 @dataclass(frozen=True)
@@ -44,23 +46,55 @@ def settings_for(root: Path, out: Path | None = None, db_url: str | None = None,
     return Settings(root=root, out=out or root, db_url=db_url or gradebook.db_url(root), **limits)
 
 
-def find_submissions(submitted: Path, root: Path) -> list[Submission]:
-    """Every notebook under submitted/STUDENT/ASSIGNMENT/, in order of student then lesson."""
+def find_submissions(submitted: Path, root: Path, warn=None) -> list[Submission]:
+    """Every notebook under submitted/STUDENT/ASSIGNMENT/, in order of student then lesson.
+
+    In a lesson's folder the notebook named as the lesson's is graded; a lone notebook with another
+    name (a browser's "NAME (1).ipynb") is graded as the lesson's; other notebooks beside the
+    lesson's (an Untitled.ipynb, a backup copy) are skipped, and so is a notebook of no lesson.
+    `warn` (default: print to stderr) is told each notebook skipped or renamed, so that one stray
+    file neither stops the class nor replaces a student's grade."""
+    warn = warn or (lambda line: print(line, file=sys.stderr))
     known = set(grading.lessons(root))
     found = []
+    folders: dict[Path, list[Path]] = {}
     for path in sorted(submitted.glob("*/*/*.ipynb")):
-        if ".ipynb_checkpoints" in path.parts:
+        if ".ipynb_checkpoints" not in path.parts:
+            folders.setdefault(path.parent, []).append(path)
+    for folder, paths in folders.items():
+        student = folder.parent.name
+        if folder.name in known:
+            found += _lesson_folder(student, folder.name, paths, root, warn)
             continue
-        assignment = path.parent.name if path.parent.name in known else grading.assignment_of(path, root)[0]
-        found.append(Submission(student=path.parent.parent.name, assignment=assignment, path=path))
+        for path in paths:
+            try:
+                assignment = grading.assignment_of(path, root)[0]
+            except SystemExit as why:
+                warn(f"skipped {path}: {why}")
+                continue
+            found.append(Submission(student=student, assignment=assignment, path=path))
     return found
+
+
+def _lesson_folder(student: str, assignment: str, paths: list[Path], root: Path, warn) -> list[Submission]:
+    stems = sorted(nb.stem for nb in (root / "solutions" / assignment).glob("*.ipynb"))
+    named = [path for path in paths if path.stem in stems]
+    if not named and len(paths) == 1 and len(stems) == 1:
+        warn(f"graded {paths[0]} as {assignment}'s notebook {stems[0]}.ipynb (the only notebook in its folder)")
+        return [Submission(student, assignment, paths[0], notebook=stems[0])]
+    for path in paths:
+        if path not in named:
+            warn(f"skipped {path}: not a notebook of {assignment} ({', '.join(s + '.ipynb' for s in stems)})"
+                 + (", which is in the same folder" if named else ""))
+    return [Submission(student, assignment, path) for path in named]
 
 
 def grade_submission(submission: Submission, settings: Settings) -> grading.NotebookResult:
     """Grade one submission, write what its student gets back, record it in the gradebook."""
     result = grading.grade_one(submission.path, settings.root, student=submission.student,
                                timeout=settings.timeout, memory_limit=settings.memory_limit,
-                               cell_timeout=settings.cell_timeout)
+                               cell_timeout=settings.cell_timeout,
+                               lesson=(submission.assignment, submission.notebook) if submission.notebook else None)
     release_nb = nbformat.read(released(settings.root, result.assignment, result.lesson_notebook), 4)
     try:
         submitted_nb = nbformat.read(submission.path, 4)

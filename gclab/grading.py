@@ -673,7 +673,7 @@ def timed_lesson(root: Path, assignment: str) -> bool:
 
 
 def grade_one(path, root: Path, student: str = "", timeout: int = 900, memory_limit: int | None | str = "auto",
-              cell_timeout: int | None = None) -> NotebookResult:
+              cell_timeout: int | None = None, lesson: tuple[str, str] | None = None) -> NotebookResult:
     """Grade one submitted notebook: the unit of work of every grading command.
 
     The score comes from a verdict process started for it (`gclab.verdict`): the lesson's
@@ -682,11 +682,13 @@ def grade_one(path, root: Path, student: str = "", timeout: int = 900, memory_li
     else.  `memory_limit` caps that process's address space, so that a submission that
     allocates without end gets a MemoryError (and a score) instead of taking the machine
     down; "auto" is `default_memory_limit()`, None no limit.  `timeout` bounds it all.
+    `lesson`: the (assignment, notebook name) it is graded as where the caller knows it (a
+    class's folders); by default `assignment_of` the file.
     """
     path = Path(path)
     if memory_limit == "auto":
         memory_limit = default_memory_limit()
-    assignment, stem = assignment_of(path, root)
+    assignment, stem = lesson or assignment_of(path, root)
     result = NotebookResult(notebook=str(path), assignment=assignment, student=student, lesson_notebook=stem)
     source_nb = nbformat.read(root / "solutions" / assignment / f"{stem}.ipynb", 4)
     with tempfile.TemporaryDirectory(prefix="gclab-grade-") as workdir:

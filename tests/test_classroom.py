@@ -34,7 +34,20 @@ def course(tmp_path_factory):
     for student, answer in ANSWERS.items():
         (root / "submitted" / student / "toy").mkdir(parents=True)
         nbformat.write(_lesson(answer), root / "submitted" / student / "toy" / "toy.ipynb")
+    _stray_files(root / "submitted")
     return root
+
+
+def _stray_files(submitted: Path) -> None:
+    """What students leave in their folders: an empty Untitled.ipynb and an untouched backup beside
+    the lesson's notebook (dee), or only the browser's second download of it (eve)."""
+    dee, eve = submitted / "dee" / "toy", submitted / "eve" / "toy"
+    for folder in (dee, eve):
+        folder.mkdir(parents=True)
+    nbformat.write(_lesson(ANSWERS["ada"]), dee / "toy.ipynb")
+    (dee / "Untitled.ipynb").write_text("")
+    nbformat.write(_lesson(ANSWERS["cy"]), dee / "zz_backup.ipynb")
+    nbformat.write(_lesson(ANSWERS["ada"]), eve / "toy (1).ipynb")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +60,18 @@ def graded(course):
 
 
 def test_every_submission_is_graded_into_the_gradebook(graded):
-    assert graded["second"] == {("ada", "toy"): 2.0, ("bob", "toy"): 0.0, ("cy", "toy"): 0.0}
+    assert graded["second"] == {("ada", "toy"): 2.0, ("bob", "toy"): 0.0, ("cy", "toy"): 0.0,
+                                ("dee", "toy"): 2.0, ("eve", "toy"): 2.0}
+
+
+def test_stray_notebooks_are_skipped_and_a_lone_renamed_one_is_graded_as_the_lessons(course):
+    told = []
+    found = classroom.find_submissions(course / "submitted", course, warn=told.append)
+    assert [(s.student, s.path.name, s.notebook) for s in found if s.student in ("dee", "eve")] == [
+        ("dee", "toy.ipynb", ""), ("eve", "toy (1).ipynb", "toy")]
+    assert any("skipped" in line and "Untitled.ipynb" in line and "in the same folder" in line for line in told), told
+    assert any("skipped" in line and "zz_backup.ipynb" in line for line in told), told
+    assert any("graded" in line and "toy (1).ipynb" in line and "toy.ipynb" in line for line in told), told
 
 
 def test_regrading_gives_the_same_gradebook(graded):
