@@ -277,6 +277,16 @@ DEAD_REFS_NEVER_REMOVED = STALE_WEAKREFS.replace(
     "        return iter(list(self._refs))\n",
     "        return iter([name for name, ref in list(self._refs.items()) if ref() is not None])\n")
 
+# Models found by id(): once a model is freed its id can be the next model's, and another name's model
+# comes back
+KEYED_BY_ID = reference().replace(
+    "        model = self._live.get(name)\n",
+    "        model = self._live.get(self.__dict__.setdefault('_ids', {}).get(name))   # name -> id -> model\n").replace(
+    "            self._live[name] = model\n",
+    "            self._ids[name] = id(model)\n            self._live[id(model)] = model\n").replace(
+    "        return iter(list(self._live.keys()))\n",
+    "        return iter([name for name, i in list(self._ids.items()) if i in self._live])\n")
+
 # Plausible wrong fixes: none may earn full marks.
 WRONG = {
     "dict_and_collect": strong(first="gc.collect()                  # free the models nobody uses"),
@@ -295,6 +305,7 @@ WRONG = {
     "callbacks_hold_the_cache": CALLBACKS_HOLD_THE_CACHE,
     "patches_the_grader": strong(after="\nchecks.assert_flat = lambda report: None\n"),
     "dead_refs_never_removed": DEAD_REFS_NEVER_REMOVED,
+    "keyed_by_id": KEYED_BY_ID,
     # a "warm pool" of every model, filled only while the collector is on: in production it never lets go
     "pins_every_model_while_collector_on": reference(
         strong='if gc.isenabled():\n            self.__dict__.setdefault("_pinned", {})[name] = model\n        ' + LRU),
@@ -316,6 +327,7 @@ TOLD_WHY = {
     "ring_of_last_requests": ("test_keeps_recent", "not the models of the last two requests"),
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
     "pins_every_model_while_collector_on": ("test_frees_memory", "when the collector is on"),
+    "keyed_by_id": ("test_same_model", "not one built for 'b': find a model by its name"),
 }
 
 
