@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -839,7 +840,9 @@ class PolicyReport:
                              "never collected once they die, so memory grows for as long as the server runs. Freeze "
                              "once, after warm-up, what lives for good.")
         if self.failures:
-            lines.append("Errors: " + "; ".join(self.failures[:5]))
+            seen = Counter(self.failures)          # a hook that fails every time says so once
+            lines.append("Errors: " + "; ".join(f"{text} ({n} times)" if n > 1 else text
+                                                for text, n in list(seen.items())[:5]))
         if self.first_failures:
             lines.append("(A first run failed on " + ", ".join(self.first_failures) + "; a failure a busy machine "
                          "can cause is measured once more, after a run with the collector off: the figures above "

@@ -429,6 +429,13 @@ def test_a_tampered_record_fails_and_says_so():
     assert report.explain().startswith("tampered: the server cannot vouch for its record")
 
 
+def test_a_hook_that_fails_every_time_is_told_once_with_its_count():
+    report = _report()
+    report.policy.trace.errors[:] = ["on_idle: TypeError: on_idle() takes 0 positional arguments but 1 was given"] * 40
+    assert "but 1 was given (40 times)" in report.explain()
+    assert report.explain().count("takes 0 positional arguments") == 1
+
+
 def test_failed_requests_fail_the_policy():
     report = _report(failed=1)
     assert not report.ok and "1 request(s) got no answer" in report.explain()
