@@ -46,6 +46,8 @@ POLICIES = {
     "reference solution": (REFERENCE, "pass"),
     "default collector (empty policy)": ("import gc\n", "fail"),
     "collector off for good": ("import gc\ndef on_startup():\n    gc.disable()\n", "fail"),
+    "thresholds raised alone": ("import gc\ndef on_startup():\n    gc.set_threshold(50_000)\n", "fail"),
+    "young collections only": ("import gc\ndef on_startup():\n    gc.set_threshold(100_000, 10**9, 10**9)\n", "fail"),
     "collect after every request": ("import gc\ndef after_request(in_flight):\n    gc.collect()\n", "fail"),
     "thresholds so high nothing is collected": (
         "import gc\ndef on_startup():\n    gc.set_threshold(1_000_000, 1000, 1000)\n", "fail"),
