@@ -655,9 +655,10 @@ class PolicyReport:
     A request is charged with the collections it waited behind: those that ran between its
     scheduled send time and its answer, each at the CPU time it took in the server.  The policy
     passes when every request was answered, the server vouches for its record, no full collection
-    ran while a request was in flight but at least one ran between requests, the P99 of those charges is at most `pause_budget` times
-    the CPU time of one full collection of the server's heap (measured in the same server before
-    the policy ran), and the cyclic garbage stayed under `garbage_fraction` of the responses."""
+    ran while a request was in flight but at least one ran between requests while the load was
+    served, the P99 of those charges is at most `pause_budget` times the CPU time of one full
+    collection of the server's heap (measured in the same server before the policy ran), and the
+    cyclic garbage stayed under `garbage_fraction` of the responses."""
     runs: dict
     pause_budget: float = PAUSE_BUDGET
     garbage_fraction: float = GARBAGE_FRACTION
