@@ -33,9 +33,16 @@ def execute_seconds(path: Path, out: Path | None = None) -> float:
     import tempfile
     nb = nbformat.read(path, 4)
     with tempfile.TemporaryDirectory(prefix="gclab-bench-") as folder:
+        km = _kernel_manager(folder)
         start = time.perf_counter()
-        NotebookClient(nb, km=_kernel_manager(folder), timeout=600, resources={"metadata": {"path": folder}}).execute()
-        seconds = time.perf_counter() - start
+        try:
+            NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": folder}}).execute()
+            seconds = time.perf_counter() - start
+        finally:
+            # nbclient shuts down only a kernel it made itself: this one would live on until this
+            # process ends, and then go without running its atexit hooks
+            if km.has_kernel:
+                km.shutdown_kernel()
     if out is not None:
         nbformat.write(nb, out)
     return seconds

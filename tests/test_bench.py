@@ -22,3 +22,13 @@ def test_a_notebook_runs_without_the_kernels_warning_about_unencrypted_tcp(tmp_p
     bench.execute_seconds(path, out)
     assert nbformat.read(out, 4).cells[0].outputs[0].text == "42\n"
     assert "without encryption" not in capfd.readouterr().err
+
+
+def test_the_kernel_is_shut_down_when_the_notebook_has_run_and_its_exit_hooks_run(tmp_path):
+    """A kernel left running lives on until this process ends, and then goes without its atexit
+    hooks: a lesson's TemporaryDirectory stays in /tmp."""
+    path, marker = tmp_path / "tiny.ipynb", tmp_path / "exited"
+    source = f"import atexit, os\natexit.register(lambda: open({str(marker)!r}, 'w').write(str(os.getpid())))"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]), path)
+    bench.execute_seconds(path)
+    assert marker.exists(), "the kernel did not exit by itself, running its atexit hooks"
