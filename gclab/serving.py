@@ -712,29 +712,32 @@ class Trace:
             found.append("the server's record of collections does not match CPython's own count")
         return found
 
-    def idle_moments(self) -> int:
-        """How many times, while the load ran (from the first request's start to the last one's
-        end), the server found no request in flight and called the policy's on_idle."""
+    def serving_window(self) -> tuple[float, float] | None:
+        """When the load ran: from the first request's start to the last one's end (None: no request)."""
         if not self.requests:
+            return None
+        return min(start for _, start, _ in self.requests), max(end for _, _, end in self.requests)
+
+    def idle_moments(self) -> int:
+        """How many times, while the load ran, the server found no request in flight and called
+        the policy's on_idle."""
+        window = self.serving_window()
+        if window is None:
             return 0
-        first = min(start for _, start, _ in self.requests)
-        last = max(end for _, _, end in self.requests)
-        return sum(1 for t in self.info.get("idle_call_times", []) if first < t < last)
+        return sum(1 for t in self.info.get("idle_call_times", []) if window[0] < t < window[1])
 
     def collections_while_serving(self, generation: int) -> list[Collection]:
-        """Collections of `generation` that started while the load ran (from the first request's
-        start to the last one's end), inside requests or between them."""
-        if not self.requests:
+        """Collections of `generation` that started while the load ran, inside requests or between them."""
+        window = self.serving_window()
+        if window is None:
             return []
-        first = min(start for _, start, _ in self.requests)
-        last = max(end for _, _, end in self.requests)
-        return [c for c in self.collections if c.generation == generation and first <= c.start <= last]
+        return [c for c in self.collections if c.generation == generation and window[0] <= c.start <= window[1]]
 
     def freed_while_serving(self, until: float | None = None) -> int:
         """How many responses' cyclic garbage the collector freed before `until` (default: the end
         of the last request)."""
         if until is None:
-            until = max((end for _, _, end in self.requests), default=float("inf"))
+            until = (self.serving_window() or (0.0, float("inf")))[1]
         return sum(1 for t in self.info.get("freed_times", []) if t < until)
 
     def collector_cpu(self, generation: int | None = None) -> float:
