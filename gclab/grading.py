@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import nbformat
+
+from .verdict import apply_limits
 
 CONFIG = Path("autograder") / "nbgrader_config.py"
 
@@ -198,16 +201,24 @@ def imported_tools(sources) -> dict[str, str]:
     """Names that `sources` (the lesson's locked cells) import from the guarded modules,
     each with where it comes from: {"checks": "gclab.checks", "Meter": "gclab.memory.Meter"}."""
     names = {}
-    for tree in filter(None, map(_parse, sources)):
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.split(".")[0] in _GUARDED:
-                        names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _GUARDED:
-                for a in node.names:
-                    names[a.asname or a.name] = f"{node.module}.{a.name}"
+    for source in sources:
+        names.update(_tools_imported_by(source))
     return names
+
+
+@functools.lru_cache(maxsize=4096)
+def _tools_imported_by(source: str) -> tuple[tuple[str, str], ...]:
+    """imported_tools of one source, kept: a submission's every cell is the context of each of its cells."""
+    names = []
+    tree = _parse(source)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in _GUARDED:
+                    names.append((a.asname or a.name.split(".")[0], a.name if a.asname else a.name.split(".")[0]))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _GUARDED:
+            names += [(a.asname or a.name, f"{node.module}.{a.name}") for a in node.names]
+    return tuple(names)
 
 
 def _rebindings(tree, tools: dict[str, str]):
@@ -387,14 +398,6 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
     return {"token": secrets.token_hex(16), "workdir": str(workdir), "cells": cells, "tests": tests,
             "missing_answers": missing, "hidden": [str(h) for h in hidden],
             "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names)}
-
-
-def apply_limits(memory_limit) -> None:
-    """Resource limits of a verdict process (set in it before the learner's code runs)."""
-    import resource
-    if memory_limit:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 1024**3, 2 * 1024**3))
 
 
 class _Started:

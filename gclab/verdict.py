@@ -55,6 +55,14 @@ def _quiet_and_local(workdir: str) -> None:
     sys.dont_write_bytecode = True
 
 
+def apply_limits(memory_limit) -> None:
+    """Resource limits of a verdict process (set in it before the learner's code runs)."""
+    import resource
+    if memory_limit:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 * 1024**3, 2 * 1024**3))
+
+
 def preload() -> None:
     """Import what every verdict needs (gclab.zygote forks verdicts after this)."""
     _load_instruments()
@@ -65,8 +73,7 @@ def forked(request: dict, fds: list) -> None:
     from the pipe `fds[0]`, reporting on the channel `fds[1]`, in a session of its own and
     within its resource limits, exactly as a freshly started verdict process does."""
     os.setsid()
-    from gclab import grading
-    grading.apply_limits(request.get("memory_limit"))
+    apply_limits(request.get("memory_limit"))
     job_fd, channel = fds
     with os.fdopen(job_fd, "rb") as job_file:
         job = json.loads(job_file.read())
