@@ -89,6 +89,11 @@ def _load_instruments():
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import gclab.checks, gclab.cycles, gclab.gcwatch, gclab.held, gclab.memory, gclab.plots, gclab.refs, gclab.serving  # noqa: F401,E401
+    import resource  # noqa: F401  (apply_limits)
+    import sqlite3  # noqa: F401  (IPython's history)
+    # what InteractiveShell.instance() imports (tests/test_grading.py names any it would import after the fork)
+    import IPython.core.application, IPython.core.completer, IPython.core.completerlib  # noqa: F401,E401
+    import IPython.core.magics, IPython.core.oinspect, IPython.utils.wildcard  # noqa: F401,E401
     from IPython.core.interactiveshell import InteractiveShell
     return InteractiveShell
 

@@ -432,3 +432,33 @@ def test_torchs_own_cache_folders_go_in_the_grading_folder_wherever_the_grader_p
     [result] = grading.grade([path], root=course)
     assert result.score == 2.0, grading.format_results([result])
     assert not (tmp_path / "outside").exists()
+
+
+FORKED_UNTIL_THE_GUARD = '''
+import os, sys
+from gclab import guard, verdict
+verdict.preload()
+preloaded = set(sys.modules)
+
+def stop_at_the_guard(*args, **kwargs):         # the verdict's own output goes nowhere: a file
+    with open("imported-after-the-fork.txt", "w") as out:
+        out.write(repr(sorted(set(sys.modules) - preloaded)))
+    os._exit(0)
+
+guard.install = stop_at_the_guard
+job_read, job_write = os.pipe()
+channel_read, channel = os.pipe()
+os.write(job_write, b'{"token": "t", "workdir": "%s", "cells": [], "tests": []}')
+os.close(job_write)
+verdict.forked({"memory_limit": None}, [job_read, channel])
+'''
+
+
+def test_a_forked_verdict_imports_nothing_before_the_learners_code(tmp_path):
+    """What a verdict needs is imported once by the zygote server: a module imported after the fork
+    is paid again by every submission (nbformat, through gclab.grading, cost 2 s each)."""
+    done = subprocess.run([sys.executable, "-c", FORKED_UNTIL_THE_GUARD % tmp_path], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    imported = (tmp_path / "imported-after-the-fork.txt").read_text()
+    assert imported == "[]", f"imported after the fork, by every verdict: {imported}"
