@@ -87,7 +87,12 @@ def main(argv=None) -> int:
                                     memory_limit=args.memory_limit, cell_timeout=args.cell_timeout,
                                     jobs=max(1, args.jobs))
         else:
-            results = _grade_class(args, parser)
+            try:
+                results = _grade_class(args, parser)
+            except KeyboardInterrupt:
+                print("\ninterrupted: the submissions graded so far are in the gradebook, autograded/ and "
+                      "feedback/; the same command grades the whole class again", file=sys.stderr)
+                return 130
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
     from . import bench
@@ -103,10 +108,12 @@ def _grade_class(args, parser):
         parser.error(f"no submission under {submitted} (expected {submitted}/STUDENT/LESSON/NOTEBOOK.ipynb)")
     settings = classroom.settings_for(root, out=args.out, db_url=args.db_url, timeout=args.timeout,
                                       memory_limit=args.memory_limit, cell_timeout=args.cell_timeout)
+    progress = classroom.Progress(len(submissions))
     if args.scheduler:
         from . import cluster
-        return cluster.grade_on_cluster(submissions, settings, args.scheduler, jobs=max(1, args.jobs))
-    return classroom.grade_class(submissions, settings, jobs=max(1, args.jobs))
+        return cluster.grade_on_cluster(submissions, settings, args.scheduler, jobs=max(1, args.jobs),
+                                        progress=progress)
+    return classroom.grade_class(submissions, settings, jobs=max(1, args.jobs), progress=progress)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,13 +143,36 @@ def exclusive_first(submissions, root: Path) -> tuple[list[Submission], list[Sub
     return [s for s in submissions if s.assignment in timed], [s for s in submissions if s.assignment not in timed]
 
 
-def grade_class(submissions, settings: Settings, jobs: int = 1, report: bool = True) -> list[grading.NotebookResult]:
+class Progress:
+    """One line per submission graded, as it is: `[3/40] ada 03_node_leak: 6/6`, and why
+    where the notebook as a whole scored what it did. Called from the grading threads."""
+
+    def __init__(self, total: int, out=None):
+        self.total, self.done, self.out, self.lock = total, 0, out, threading.Lock()
+
+    def __call__(self, result: grading.NotebookResult) -> None:
+        with self.lock:
+            self.done += 1
+            why = f" ({result.reason})" if result.reason else ""
+            print(f"[{self.done}/{self.total}] {result.student} {result.assignment}: "
+                  f"{result.score:g}/{result.max_score:g}{why}", file=self.out or sys.stderr, flush=True)
+
+
+def grade_class(submissions, settings: Settings, jobs: int = 1, report: bool = True,
+                progress=None) -> list[grading.NotebookResult]:
     """Grade every submission here, `jobs` at a time (timed lessons one at a time, first),
-    then write the class report into out/reports/; the results in submission order."""
+    then write the class report into out/reports/; the results in submission order.
+    `progress` (a `Progress`) is told each result as it comes."""
     submissions = list(submissions)
     prepare_gradebook(settings, [s.assignment for s in submissions])
     timed = set(exclusive_first(submissions, settings.root)[0])
-    results = grading.schedule(submissions, lambda s: grade_submission(s, settings), jobs, alone=timed.__contains__)
+
+    def grade(submission):
+        result = grade_submission(submission, settings)
+        if progress is not None:
+            progress(result)
+        return result
+    results = grading.schedule(submissions, grade, jobs, alone=timed.__contains__)
     if report:
         write_report(results, settings.out / "reports")
     return results

@@ -65,10 +65,10 @@ def _largest(client) -> tuple[int, list[str]]:
 
 
 def grade_on_cluster(submissions, settings: classroom.Settings, scheduler: str,
-                     jobs: int = 1) -> list[grading.NotebookResult]:
+                     jobs: int = 1, progress=None) -> list[grading.NotebookResult]:
     """Grade every submission on the cluster at `scheduler` ("local": one started here with
     `jobs` threads), timed lessons alone on their worker; the results in submission order,
-    the class report written into out/reports/."""
+    the class report written into out/reports/. `progress` is told each result as it comes."""
     submissions = list(submissions)
     if scheduler != "local" and settings.db_url.startswith("sqlite"):
         warnings.warn(f"several workers write to the gradebook at once: use PostgreSQL, not {settings.db_url}",
@@ -82,6 +82,11 @@ def grade_on_cluster(submissions, settings: classroom.Settings, scheduler: str,
                                  resources={SLOTS: slots if s in timed else 1},
                                  workers=largest if s in timed else None, priority=1 if s in timed else 0)
                    for s in submissions]
+        if progress is not None:
+            from distributed import as_completed
+            for future in as_completed(futures):
+                if future.status == "finished":
+                    progress(future.result())
         results = client.gather(futures)
     classroom.write_report(results, settings.out / "reports")
     return results

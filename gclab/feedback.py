@@ -20,17 +20,25 @@ def _meta(cell) -> dict:
 
 
 def graded_notebook(release_nb, submitted_nb, result: NotebookResult):
-    """The learner's notebook as graded: their answer cells as submitted (outputs kept), the
-    locked cells as released, and each test cell showing its score and result."""
-    answers = {_meta(c).get("grade_id"): c for c in submitted_nb.cells if _meta(c).get("solution")}
+    """The learner's notebook as graded: their answer cells as submitted (outputs kept; every
+    copy of one, as graded), the locked cells as released, and each test cell showing its score
+    and result."""
+    answers = {}
+    for c in submitted_nb.cells:
+        if _meta(c).get("solution"):
+            answers.setdefault(_meta(c).get("grade_id"), []).append(nbformat.from_dict(c))
     tests = {t.id: t for t in result.tests}
     nb = nbformat.from_dict(release_nb)
-    for index, cell in enumerate(nb.cells):
+    cells = []
+    for cell in nb.cells:
         grade_id = _meta(cell).get("grade_id")
         if _meta(cell).get("solution") and grade_id in answers:
-            nb.cells[index] = nbformat.from_dict(answers[grade_id])
-        elif grade_id in tests:
+            cells += answers[grade_id]
+            continue
+        if grade_id in tests:
             cell.outputs = [_test_output(tests[grade_id])]
+        cells.append(cell)
+    nb.cells = cells
     nb.metadata["gclab"] = {**nb.metadata.get("gclab", {}), "score": result.score, "max_score": result.max_score}
     return nb
 

@@ -350,10 +350,14 @@ def _meta(cell) -> dict:
     return cell.metadata.get("nbgrader", {}) if cell.cell_type == "code" else {}
 
 
-def _answers_of(submitted) -> dict:
-    """The learner's answer cells, by grade_id (a cell whose metadata was stripped is not one)."""
-    return {_meta(c)["grade_id"]: c.source for c in submitted.cells
-            if _meta(c).get("solution") and _meta(c).get("grade_id")}
+def _answers_of(submitted) -> dict[str, list[str]]:
+    """The learner's answer cells, by grade_id (a cell whose metadata was stripped is not one):
+    every copy of one, in order (a cell copied in JupyterLab keeps its metadata)."""
+    answers = {}
+    for c in submitted.cells:
+        if _meta(c).get("solution") and _meta(c).get("grade_id"):
+            answers.setdefault(_meta(c)["grade_id"], []).append(c.source)
+    return answers
 
 
 def top_level_names(source: str) -> set[str]:
@@ -389,14 +393,15 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
             grade_id = meta["grade_id"]
             if grade_id not in answers:
                 missing.append(grade_id)
-            cells.append({"kind": "answer", "id": grade_id,
-                          "source": answers.get(grade_id, "raise NotImplementedError()")})
+            cells += [{"kind": "answer", "id": grade_id, "source": source}   # every copy, as Run All runs them
+                      for source in answers.get(grade_id, ["raise NotImplementedError()"])]
         elif meta.get("grade"):
             tests.append({"id": meta["grade_id"], "source": cell.source, "points": float(meta.get("points", 0))})
         elif meta.get("locked"):
             cells.append({"kind": "given", "id": meta.get("grade_id", "given"), "source": cell.source})
     return {"token": secrets.token_hex(16), "workdir": str(workdir), "cells": cells, "tests": tests,
             "missing_answers": missing, "hidden": [str(h) for h in hidden],
+            "copied_answers": {grade_id: len(copies) for grade_id, copies in answers.items() if len(copies) > 1},
             "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names)}
 
 
@@ -787,6 +792,11 @@ def _judge(root, workdir, source_nb, submitted, result, cell_timeout, memory_lim
                          + " (deleted, or its cell metadata removed): a fresh copy of the lesson keeps them")
     elif result.tests and len({t.message for t in result.tests}) == 1 and result.tests[0].message.startswith("not graded: "):
         result.reason = result.tests[0].message.removeprefix("not graded: ")
+    elif job["copied_answers"]:
+        result.reason = "; ".join(f"answer cell {grade_id} is in the notebook {count} times" for grade_id, count
+                                  in job["copied_answers"].items()) + (
+            " (a copied cell keeps the answer's metadata): every copy was run, in order, as Run All runs them; "
+            "keep one")
 
 
 def format_results(results) -> str:

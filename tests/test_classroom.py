@@ -1,5 +1,7 @@
 """Grading a class as an instructor does: nbgrader's layout in, gradebook, feedback and a
 report out, and nothing of a hidden test handed back."""
+import contextlib
+import io
 import shutil
 import subprocess
 import sys
@@ -53,10 +55,12 @@ def _stray_files(submitted: Path) -> None:
 @pytest.fixture(scope="module")
 def graded(course):
     from gclab.__main__ import main
-    assert main(["--course", str(course), "grade", "--jobs", "2"]) == 0
+    told = io.StringIO()
+    with contextlib.redirect_stderr(told):
+        assert main(["--course", str(course), "grade", "--jobs", "2"]) == 0
     first = gradebook.scores(gradebook.db_url(course))
     assert main(["--course", str(course), "grade"]) == 0
-    return {"first": first, "second": gradebook.scores(gradebook.db_url(course))}
+    return {"first": first, "second": gradebook.scores(gradebook.db_url(course)), "told": told.getvalue()}
 
 
 def test_every_submission_is_graded_into_the_gradebook(graded):
@@ -72,6 +76,24 @@ def test_stray_notebooks_are_skipped_and_a_lone_renamed_one_is_graded_as_the_les
     assert any("skipped" in line and "Untitled.ipynb" in line and "in the same folder" in line for line in told), told
     assert any("skipped" in line and "zz_backup.ipynb" in line for line in told), told
     assert any("graded" in line and "toy (1).ipynb" in line and "toy.ipynb" in line for line in told), told
+
+
+def test_the_instructor_is_told_each_submission_as_it_is_graded(graded):
+    lines = [line for line in graded["told"].splitlines() if line.startswith("[")]
+    assert sorted(line.split("] ")[1] for line in lines) == [
+        "ada toy: 2/2", "bob toy: 0/2", "cy toy: 0/2", "dee toy: 2/2", "eve toy: 2/2"], graded["told"]
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/5" for k in range(1, 6)]
+
+
+def test_an_interrupted_class_says_what_was_kept(course, monkeypatch, capsys):
+    from gclab.__main__ import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(classroom, "grade_submission", interrupted)
+    assert main(["--course", str(course), "grade"]) == 130
+    told = capsys.readouterr().err
+    assert "interrupted: the submissions graded so far are in the gradebook" in told and "Traceback" not in told
 
 
 def test_regrading_gives_the_same_gradebook(graded):
@@ -150,3 +172,17 @@ def test_feedback_escapes_what_it_shows():
                                     "toy", student="<i>", lesson_notebook="toy")
     page = feedback.page(result, nbformat.v4.new_notebook())
     assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
+
+
+def test_the_graded_notebook_keeps_every_copy_of_an_answer_cell():
+    """A copied answer cell keeps its grade_id and every copy is graded: the learner gets back each."""
+    release = _lesson("raise NotImplementedError()")
+    submitted = _lesson("def twice(x):\n    return x + x")
+    copy = nbformat.v4.new_code_cell("def double(x):\n    return twice(x)", metadata=dict(submitted.cells[1].metadata))
+    submitted.cells.insert(2, copy)
+    result = grading.NotebookResult("toy.ipynb", 2, 2, [grading.TestResult("test_double", 2, 2, "passed")], "toy",
+                                    lesson_notebook="toy")
+    graded = feedback.graded_notebook(release, submitted, result)
+    assert [c.source for c in graded.cells] == [release.cells[0].source, submitted.cells[1].source, copy.source,
+                                                release.cells[2].source]
+    assert "[passed] test_double: 2 / 2" in graded.cells[3].outputs[0].text

@@ -73,12 +73,13 @@ def graded(tmp_path_factory, postgres):
         spans = client.run(lambda dask_worker: dask_worker.plugins[Spans.name].spans)
     first = {"results": results, "scores": gradebook.scores(db_url), "counts": _counts(db_url)}
 
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    printed, told = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(told):
         assert main(["--course", str(course), "grade", "--submissions", str(submitted), "--out", str(out),
                      "--db-url", db_url, "--scheduler", "local", "--jobs", "2", "--memory-limit", "none",
                      "--json"]) == 0
-    again = {"results": json.loads(printed.getvalue()), "scores": gradebook.scores(db_url), "counts": _counts(db_url)}
+    again = {"results": json.loads(printed.getvalue()), "scores": gradebook.scores(db_url), "counts": _counts(db_url),
+             "told": told.getvalue()}
     return {"first": first, "again": again, "spans": spans, "submissions": submissions, "out": out}
 
 
@@ -102,6 +103,13 @@ def test_regrading_is_idempotent(graded):
     assert [(r["student"], r["assignment"], r["score"]) for r in again["results"]] == [
         (r.student, r.assignment, r.score) for r in first["results"]]
     assert again["counts"] == first["counts"] == {"toy": (3, 3), "clock": (3, 3)}
+
+
+def test_the_instructor_is_told_each_submission_as_the_cluster_grades_it(graded):
+    lines = [line for line in graded["again"]["told"].splitlines() if line.startswith("[")]
+    assert sorted(line.split("] ")[1] for line in lines) == sorted(
+        f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g}" for r in graded["first"]["results"]), lines
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/6" for k in range(1, 7)]
 
 
 def test_feedback_and_report_are_written(graded):

@@ -71,6 +71,23 @@ def _other_lesson(nb):
             cell.metadata["nbgrader"]["grade_id"] = "other_" + cell.metadata["nbgrader"]["grade_id"]
 
 
+def _answer_copied(first: str, then: str):
+    """The answer cell copied in JupyterLab (metadata and all): `first` in it, `then` in its copy."""
+    def edit(nb):
+        copy = nbformat.from_dict(nb.cells[1])
+        copy.id = "copied-answer"                   # a pasted cell gets an id of its own
+        nb.cells[1].source, copy.source = first, then
+        nb.cells.insert(2, copy)
+    return edit
+
+
+COPIED_ANSWERS = {   # name: (the first copy, the second, the score Run All in the learner's kernel shows)
+    "copied_answer_cell_stub_left_first": ("raise NotImplementedError()", "def double(x):\n    return 2 * x", 2),
+    "copied_answer_cell_helper_in_the_first": ("def twice(x):\n    return x + x", "def double(x):\n    return twice(x)", 2),
+    "copied_answer_cell_broken_experiment_last": ("def double(x):\n    return 2 * x", "def double(x):\n    return x + 2", 0),
+}
+
+
 def _tree_digest(folder: Path) -> dict:
     import hashlib
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -141,6 +158,8 @@ def hostile(course, tmp_path_factory):
     paths["deleted_test_cells"] = _variant(tmp, "deleted_test_cells", _deleted_tests)
     paths["right_but_deleted_test_cells"] = _variant(tmp, "right_but_deleted_test_cells", lambda nb: nb.cells.__delitem__(slice(2, None)))
     paths["another_lessons_notebook"] = _variant(tmp, "another_lessons_notebook", _other_lesson)
+    for name, (first, then, _) in COPIED_ANSWERS.items():
+        paths[name] = _variant(tmp, name, _answer_copied(first, then))
     before = _tree_digest(course)
     started = time.monotonic()
     graded = grading.grade(list(paths.values()), root=course, cell_timeout=10, memory_limit=6 * 1024**3, jobs=2)
@@ -194,6 +213,13 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
 def test_hostile_submission_reason_names_what_happened(hostile, name, words):
     result = hostile["results"][name]
     assert words in result.reason + " ".join(t.message for t in result.tests), grading.format_results([result])
+
+
+@pytest.mark.parametrize("name", COPIED_ANSWERS)
+def test_every_copy_of_an_answer_cell_runs_in_order_and_the_learner_is_told(hostile, name):
+    result = hostile["results"][name]
+    assert result.score == COPIED_ANSWERS[name][2], grading.format_results([result])
+    assert "answer cell answer is in the notebook 2 times" in result.reason, result.reason
 
 
 def test_the_course_folder_is_intact_after_hostile_submissions(hostile):
