@@ -117,7 +117,12 @@ def main(argv=None) -> int:
     parser.add_argument("extra", nargs="*", help="more policy files, as PATH=pass or PATH=fail")
     args = parser.parse_args(argv)
 
-    folder = Path(tempfile.mkdtemp(prefix="gclab-verdicts-"))
+    with tempfile.TemporaryDirectory(prefix="gclab-verdicts-") as folder:
+        return _run(args, Path(folder))
+
+
+def _run(args, folder: Path) -> int:
+    """Grade every policy (the built-in ones written into `folder`) `args.repeats` times per condition."""
     policies = {}
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]
     for k, (name, (source, expected)) in enumerate(POLICIES.items()):
