@@ -287,6 +287,13 @@ KEYED_BY_ID = reference().replace(
     "        return iter(list(self._live.keys()))\n",
     "        return iter([name for name, i in list(self._ids.items()) if i in self._live])\n")
 
+# The weak and the strong part made class attributes: every ModelCache shares them, and one cache hands
+# out the models another one loaded
+SHARED_BY_EVERY_CACHE = reference().replace(
+    "        self._live = weakref.WeakValueDictionary()\n        self._recent = collections.OrderedDict()\n", "").replace(
+    "class ModelCache:\n",
+    "class ModelCache:\n    _live = weakref.WeakValueDictionary()\n    _recent = collections.OrderedDict()\n")
+
 # Plausible wrong fixes: none may earn full marks.
 WRONG = {
     "dict_and_collect": strong(first="gc.collect()                  # free the models nobody uses"),
@@ -306,6 +313,7 @@ WRONG = {
     "patches_the_grader": strong(after="\nchecks.assert_flat = lambda report: None\n"),
     "dead_refs_never_removed": DEAD_REFS_NEVER_REMOVED,
     "keyed_by_id": KEYED_BY_ID,
+    "shared_by_every_cache": SHARED_BY_EVERY_CACHE,
     # a "warm pool" of every model, filled only while the collector is on: in production it never lets go
     "pins_every_model_while_collector_on": reference(
         strong='if gc.isenabled():\n            self.__dict__.setdefault("_pinned", {})[name] = model\n        ' + LRU),
@@ -328,6 +336,7 @@ TOLD_WHY = {
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
     "pins_every_model_while_collector_on": ("test_frees_memory", "when the collector is on"),
     "keyed_by_id": ("test_same_model", "not one built for 'b': find a model by its name"),
+    "shared_by_every_cache": ("test_same_model", "an attribute set on the class is shared by every instance"),
 }
 
 
