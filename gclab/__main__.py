@@ -82,17 +82,16 @@ def main(argv=None) -> int:
         missing = [str(p) for p in args.notebooks if not p.is_file()]
         if missing:
             parser.error("no such notebook: " + ", ".join(missing))
-        if args.notebooks and not args.submissions:
-            results = grading.grade(args.notebooks, root=args.course, timeout=args.timeout,
-                                    memory_limit=args.memory_limit, cell_timeout=args.cell_timeout,
-                                    jobs=max(1, args.jobs))
-        else:
-            try:
-                results = _grade_class(args, parser)
-            except KeyboardInterrupt:
-                print("\ninterrupted: the submissions graded so far are in the gradebook, autograded/ and "
-                      "feedback/; the same command grades the whole class again", file=sys.stderr)
-                return 130
+        a_class = not args.notebooks or args.submissions
+        try:
+            results = _grade_class(args, parser) if a_class else grading.grade(
+                args.notebooks, root=args.course, timeout=args.timeout, memory_limit=args.memory_limit,
+                cell_timeout=args.cell_timeout, jobs=max(1, args.jobs))
+        except KeyboardInterrupt:
+            print("\ninterrupted: " + ("the submissions graded so far are in the gradebook, autograded/ and "
+                                       "feedback/; the same command grades the whole class again" if a_class
+                                       else "nothing was written"), file=sys.stderr)
+            return 130
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
     from . import bench
