@@ -55,6 +55,16 @@ _REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents",
                        "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
                        "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
                        "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
+# Of those, the events whose result or effect reaches past the caller (objects handed back, a hook
+# installed for every later call): allowed only where gclab's own code or the grader's makes the call.
+# A library making it for the learner (objgraph.by_type, IPython calling back a functools.partial of
+# sys.settrace after a cell) is the learner's doing, whether or not a frame of the learner's is on the stack.
+_GRADER_ONLY = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+                          "sys.settrace", "sys.setprofile"})
+# Library code that calls back what it was handed, with none of the learner's frames on the stack:
+# a call made from one of these is the learner's doing.
+_CALLING_BACK = frozenset({("weakref.py", "__call__"), ("events.py", "trigger"), ("events.py", "_run"),
+                           ("threading.py", "run"), ("thread.py", "run")})
 # socket.sendmsg: how a request with file descriptors reaches a fork server (gclab.zygote)
 _PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
                              "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -117,6 +127,7 @@ class Guard:
         self._roots = _library_roots()
         self._trusted_codes: dict = {}
         self._file_trust: dict = {}
+        self._gclab_files: dict = {}
         self._busy = threading.local()
         self._modules = self._guarded_modules()
         self._module_ids = frozenset(id(m) for m in self._modules.values())
@@ -217,6 +228,35 @@ class Guard:
         code = frame.f_code
         return id(code) in self._trusted_codes or self._library_file(code.co_filename)
 
+    def _grader_own(self, frame) -> bool:
+        """Is `frame` gclab's own code, or code the grader compiled (its given and test cells)?"""
+        if frame is None:
+            return False
+        code = frame.f_code
+        if id(code) in self._trusted_codes:
+            return True
+        known = self._gclab_files.get(code.co_filename)
+        if known is None:
+            known = self._gclab_files[code.co_filename] = (
+                code.co_filename.startswith("/") and self._realpath(code.co_filename).startswith(self.gclab_dir))
+        return known
+
+    def _made_for_the_grader(self, frame) -> bool:
+        """Is the call made by gclab's or the grader's own code, directly or through libraries it
+        called (gclab.cycles drawing with objgraph), and not by library code calling back what the
+        learner handed it?"""
+        while frame is not None and not self._grader_own(frame):
+            if self._calling_back(frame) or not self._library_file(frame.f_code.co_filename):
+                return False
+            frame = frame.f_back
+        return frame is not None
+
+    def _calling_back(self, frame) -> bool:
+        """Is `frame` library code calling back something it was handed (a finalizer, an IPython event
+        handler, a thread's target)?"""
+        return (frame is not None and self._library_file(frame.f_code.co_filename)
+                and (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name) in _CALLING_BACK)
+
     def learner_on_stack(self, frame) -> bool:
         while frame is not None:
             if not self._grader_frame(frame):
@@ -253,8 +293,10 @@ class Guard:
     def _judge(self, event, args, frame):
         if event == "sys.addaudithook":     # another hook, even one a library adds for the learner, sees first-hand
             return f"{event} (a hook of the learner's own)" if self.learner_on_stack(frame) else None
+        if event in _GRADER_ONLY:
+            return None if self._made_for_the_grader(frame) else f"{event} (reaching into the grader's objects)"
         if event in _REACHING:
-            if self._library_reads_frame(frame) or not self.learner_on_stack(frame):
+            if not self._calling_back(frame) and (self._library_reads_frame(frame) or not self.learner_on_stack(frame)):
                 return None
             return f"{event} (reaching into the grader's objects)"
         if event == "object.__getattr__":

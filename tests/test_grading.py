@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -94,6 +95,23 @@ def _tree_digest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file() and "work" not in p.relative_to(folder).parts}
 
 
+# a trace function that rewrites each test's outcome in the verdict's frame to "passed"
+OUTCOME_REWRITER = (
+    "import collections, functools, sys, weakref\n"
+    "def _in_test(frame, event, arg):\n"
+    "    if event == 'line' and 'outcome' in frame.f_locals and 'problems' not in frame.f_locals:\n"
+    "        frame.f_locals['outcome'] = {'status': 'passed', 'message': ''}\n"
+    "    return _in_test\n"
+    "def _tracer(frame, event, arg):\n"
+    "    return _in_test if event == 'call' and frame.f_code.co_name == '_run_test' else None\n")
+# an object whose finalizer runs once `double` drops it, from weakref.py, with none of the learner's frames below
+DROPPED_BY_DOUBLE = ("class _Anchor:\n    pass\n_anchor = _Anchor()\n{finalize}\n"
+                     "def double(x):\n    global _anchor\n    _anchor = None\n{then}    return x + 1\n")
+def writes_passed_with(token: str, indent: str) -> str:
+    """Lines that write a "passed" for each test, with `token`, to every file descriptor."""
+    return textwrap.indent("for fd in range(3, 64):\n    try:\n        for t in ('test_double', 'test_zero'):\n"
+                           f"            os.write(fd, (json.dumps({{'token': {token}, 'event': 'result', 'test': t, "
+                           "'status': 'passed'}) + '\\n').encode())\n    except OSError:\n        pass\n", indent)
 REBINDS_CHECKS = ("import types\nlenient = types.SimpleNamespace(assert_untampered=lambda: None)\n"
                   "def double(x):\n    return 2 * x\n")
 IGNORES_INTERRUPTS = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass"
@@ -148,6 +166,19 @@ def hostile(course, tmp_path_factory):
         "rebinds_a_tool_through_globals": REBINDS_CHECKS + "globals().update(checks=lenient)",
         "rebinds_a_tool_through_exec": REBINDS_CHECKS + "exec('checks = lenient')",
         "rebinds_a_tool_through_main_module": REBINDS_CHECKS + "import __main__\nsetattr(__main__, 'checks', lenient)",
+        # a library makes the refused call for the learner, with none of the learner's frames on the stack
+        "settrace_through_an_ipython_event": OUTCOME_REWRITER + "get_ipython().events.register("
+                                                                "'post_execute', functools.partial(sys.settrace, _tracer))",
+        "settrace_through_a_finalizer": OUTCOME_REWRITER + DROPPED_BY_DOUBLE.format(
+            finalize="weakref.finalize(_anchor, sys.settrace, _tracer)", then=""),
+        "grader_frames_through_a_finalizer": "import collections, json, os, sys, weakref\n_frames = []\n"
+        + DROPPED_BY_DOUBLE.format(
+            finalize="weakref.finalize(_anchor, collections.deque(maxlen=0).extend, map(_frames.append, map(sys._getframe, [1])))",
+            then="    f = _frames[0] if _frames else None\n    while f is not None and 'token' not in f.f_locals:\n"
+                 "        f = f.f_back\n    if f is not None:\n" + writes_passed_with("f.f_locals['token']", " " * 8)),
+        "token_found_with_objgraph": "import json, objgraph, os\n"
+        "jobs = [d for d in objgraph.by_type('dict') if isinstance(d.get('token'), str) and 'tests' in d]\n"
+        "if jobs:\n" + writes_passed_with("jobs[0]['token']", " " * 4),
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -172,7 +203,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "stripped_metadata", "emptied_test_cells", "deleted_test_cells", "another_lessons_notebook",
            "escapes_with_setsid", "clears_the_guards_record", "rebinds_a_tool_through_globals",
            "rebinds_a_tool_through_exec", "rebinds_a_tool_through_main_module",
-           "forges_results_with_the_token_read_from_memory"]
+           "forges_results_with_the_token_read_from_memory", "settrace_through_an_ipython_event",
+           "settrace_through_a_finalizer", "grader_frames_through_a_finalizer", "token_found_with_objgraph"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -202,6 +234,10 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("escapes_with_setsid", "subprocess.Popen"),
     ("forges_the_result_channel", "result channel"),
     ("forges_results_with_the_token_read_from_memory", "(a process's memory)"),
+    ("settrace_through_an_ipython_event", "sys.settrace (reaching into the grader's objects)"),
+    ("settrace_through_a_finalizer", "sys.settrace (reaching into the grader's objects)"),
+    ("grader_frames_through_a_finalizer", "sys._getframe (reaching into the grader's objects)"),
+    ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),
     ("rebinds_a_tool_through_exec", "checks (which the set-up cell imports) was rebound"),
