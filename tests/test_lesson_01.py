@@ -104,6 +104,12 @@ WATCHED = {
 
 # Right fixes written differently from the solution: each must earn full marks on both exercises.
 ALTERNATIVES = {
+    # both functions under a torch decorator: their __globals__ are torch's, the functions they wrap the notebook's
+    "decorated_with_no_grad": {
+        "jobs": "@torch.no_grad()" + RUN_JOB.format(handle="pass", error="e.with_traceback(None)"),
+        "scaler": "@torch.inference_mode()" + _scaler(prepare="mean, std = float(batch.mean()), float(batch.std())\n    del batch",
+                                                      formula="(x - mean) / std"),
+    },
     "alternative_a": {
         "jobs": RUN_JOB.format(handle="e.__traceback__ = None          # drop the frames, keep the exception",
                                error="e"),
