@@ -226,6 +226,20 @@ class FlatReport:
                 "a fix must free memory by reference counting alone, watched or not.")
         return lines
 
+    def _explain_growth(self, first) -> str:
+        """Memory above the baseline: growing with every iteration, or held at a level it stopped at
+        (the latest step's tensors kept in one place: a global, a default argument, an attribute)."""
+        (first_i, first_g), last_i, last_g = first, len(self.growth), self.growth[-1]
+        start = (f"memory did not return to its baseline: {format_bytes(first_g)} above it after "
+                 f"iteration {first_i}, {format_bytes(last_g)} after iteration {last_i}")
+        earlier = self.growth[:max(first_i, last_i // 2)]
+        if last_i >= first_i + 2 and 0 < last_g <= max(earlier):
+            return (f"{start}, never more than {format_bytes(max(self.growth))} in between: it stopped growing. "
+                    "Something keeps the latest step's tensors (a global, a default argument, an attribute that "
+                    "each step replaces), not every step's; a fix keeps none of them once the step is done.")
+        return (f"{start} (about {format_bytes(last_g / last_i)} per iteration). Something still refers to "
+                "the tensors each step creates.")
+
     def explain(self) -> str:
         if self.ok:
             unwatched = (f", then after {self.unwatched} more with nothing of the grader's watching (measured "
@@ -245,14 +259,7 @@ class FlatReport:
             lines.append(f"the step raised {type(self.error).__name__}: {self.error} ({where})")
         bad = [(i, g) for i, g in enumerate(self.growth, 1) if g != 0]
         if bad:
-            first_i, first_g = bad[0]
-            last_i, last_g = len(self.growth), self.growth[-1]
-            per_iter = last_g / last_i
-            lines.append(
-                f"memory did not return to its baseline: {format_bytes(first_g)} above it after "
-                f"iteration {first_i}, {format_bytes(last_g)} after iteration {last_i} "
-                f"(about {format_bytes(per_iter)} per iteration). Something still refers to "
-                "the tensors each step creates.")
+            lines.append(self._explain_growth(bad[0]))
             if self.held is not None:
                 lines.append(self.held.explain())
         if self.collections:

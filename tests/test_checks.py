@@ -53,6 +53,23 @@ def test_leaking_step_is_not_ok_and_says_how_many_bytes_per_iteration(collect_af
         assert_flat(report)
 
 
+LATEST = []
+
+
+def keeps_the_latest_step(i):
+    LATEST[:] = [torch.zeros(512)]          # 2 KiB, replaced by the next step's
+    return float(LATEST[0].sum())
+
+
+def test_memory_held_at_a_level_is_told_so_not_as_a_growth_per_iteration():
+    report = run_flat_check(keeps_the_latest_step, iterations=8)
+    LATEST.clear()
+    assert report.growth == [2048] * 8
+    text = report.explain()
+    assert f"{format_bytes(2048)} after iteration 8, never more than {format_bytes(2048)} in between: it stopped growing" in text
+    assert "the latest step's tensors" in text and "per iteration" not in text
+
+
 def test_fixed_step_is_ok():
     report = run_flat_check(fixed_step, iterations=10)
     assert report.ok, report.explain()
