@@ -71,7 +71,7 @@ CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
     (r"switched the automatic collector back on", COLLECTOR_REENABLED),
     (r"collector back on|collector must be left on", COLLECTOR_LEFT_OFF),
     (r"did not return to its baseline", NOT_BACK_TO_BASELINE),   # it goes on "Something still refers to ..."
-    (r"still refers to", HELD_ELSEWHERE),
+    (r"still refers to|something outside the \w+ keeps", HELD_ELSEWHERE),
     (r"died too early|must stay alive", FREED_TOO_EARLY),
     (r"returned a copy", COPY_NOT_VIEW),
     (r"with the collector (?:switched )?on\b", GROWS_WITH_COLLECTOR_ON),

@@ -83,6 +83,14 @@ WRONG = {
                      '"error": None}', '"error": None, "batch": _ARCHIVE[i % 16].fill_(float(i))}')),
         "scaler": _scaler(after="gc.collect()"),
     },
+    # only the latest failure's traceback kept (a global), only the latest batch (a default list): bounded, not gone
+    "keeps_only_the_latest": {
+        "jobs": "last_traceback = None\n" + RUN_JOB.format(
+            handle="global last_traceback\n        last_traceback = e.__traceback__", error="e.with_traceback(None)"),
+        "scaler": _scaler(prepare="mean, std = float(batch.mean()), float(batch.std())\n    _LATEST[:] = [batch]",
+                          formula="(x - mean) / std").replace("def make_scaler(i, device=DEVICE):",
+                                                              "_LATEST = []\ndef make_scaler(i, device=DEVICE):"),
+    },
     "patches_the_grader": {
         "jobs": RUN_JOB.format(handle="pass", error="e") + "\nchecks.assert_flat = lambda report: None\n",
         "scaler": _scaler(),
@@ -293,6 +301,11 @@ def test_wrong_fixes_are_told_why(graded):
     assert "must still work after make_scaler has returned" in _message(graded["drops_what_the_caller_needs"],
                                                                    "test_scaler_results")
     assert "holds" in _message(graded["deletes_the_wrong_reference"], "test_job_reports")
+    assert "something outside the report keeps the failed step's tensors" in _message(
+        graded["keeps_only_the_latest"], "test_job_reports")
+    assert "something outside the scaler keeps its batch" in _message(graded["keeps_only_the_latest"],
+                                                                      "test_scaler_results")
+    assert "it stopped growing" in _message(graded["keeps_only_the_latest"], "test_job_memory_flat")
     assert "did not return to its baseline" in _message(graded["deletes_the_wrong_reference"],
                                                         "test_scaler_memory_flat")
     assert "modifies the grader" in graded["patches_the_grader"].reason

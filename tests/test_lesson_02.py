@@ -266,6 +266,22 @@ class TreeNode:
         return None if self._parent is None else self._parent()
 '''
 
+# a weak way up, and the root keeps every node of its tree by name (for quick lookups): a branch cut
+# off is still held by the root's dict, not by a cycle
+ROOT_KEEPS_EVERY_NODE = WEAK_PARENT.format(
+    extra=("root = self if parent is None else (parent if parent._root is None else parent._root())\n"
+           "        self._root = None if parent is None else weakref.ref(root)\n"
+           "        if parent is None:\n            self.nodes = {}\n"
+           "        else:\n            root.nodes[name] = self"),
+    parent="return None if self._parent is None else self._parent()")
+
+# a weak way up, with a bound method of the node as the weak reference's callback: each node now
+# refers to itself through its own weakref, a cycle of one
+WEAK_PARENT_WITH_A_BOUND_CALLBACK = WEAK_PARENT.format(
+    extra=("self._parent = None if parent is None else weakref.ref(parent, self._parent_died)\n\n"
+           "    def _parent_died(self, ref):\n        self.orphaned = True"),
+    parent="return None if self._parent is None else self._parent()")
+
 WRONG = {
     "collect_when_a_tree_starts": LEAKY.format(extra="if parent is None:\n            gc.collect()"),
     "raised_thresholds": "gc.set_threshold(100_000, 50, 50)\n" + LEAKY.format(extra="pass"),
@@ -280,6 +296,8 @@ WRONG = {
     "cheat_hides_cycles_from_the_meter": CHEAT_HIDES_CYCLES_FROM_THE_METER,
     "cheat_cycles_below_renamed": CHEAT_CYCLES_BELOW_RENAMED,
     "recursive_helper_leaves_function_cycles": RECURSIVE_HELPER,
+    "root_keeps_every_node": ROOT_KEEPS_EVERY_NODE,
+    "weak_parent_with_a_bound_callback": WEAK_PARENT_WITH_A_BOUND_CALLBACK,
 }
 
 
@@ -359,6 +377,16 @@ def test_a_tree_held_elsewhere_is_told_so(graded):
     message = cell_result(result, "test_tree_frees_itself").message
     assert "something else still refers to the tree" in message and "cycle" not in message, message
     assert "ALL_NODES[" in message, message
+
+
+@pytest.mark.parametrize("name, why", [
+    ("root_keeps_every_node", "something else still refers to the cut branch"),
+    ("weak_parent_with_a_bound_callback", "still in reference cycles (with one another, or each with itself)"),
+])
+def test_a_cut_branch_left_held_is_told_what_holds_it(graded, name, why):
+    result = graded[name]
+    assert result.score == 7, grading.format_results([result])
+    assert why in cell_result(result, "test_tree_frees_itself").message, grading.format_results([result])
 
 
 def test_untouched_student_notebook_earns_nothing(graded):
