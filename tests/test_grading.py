@@ -179,6 +179,10 @@ def hostile(course, tmp_path_factory):
         "token_found_with_objgraph": "import json, objgraph, os\n"
         "jobs = [d for d in objgraph.by_type('dict') if isinstance(d.get('token'), str) and 'tests' in d]\n"
         "if jobs:\n" + writes_passed_with("jobs[0]['token']", " " * 4),
+        # the verdict's frames are below the answer's: a summary of the stack lists their locals' reprs
+        "token_read_from_a_summary_of_the_stack": "import json, os, traceback\nfound = [f.locals['token'].strip(\"'\")"
+        " for f in traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True)\n"
+        "         if f.locals and 'token' in f.locals]\nif found:\n" + writes_passed_with("found[0]", " " * 4),
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -204,7 +208,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "escapes_with_setsid", "clears_the_guards_record", "rebinds_a_tool_through_globals",
            "rebinds_a_tool_through_exec", "rebinds_a_tool_through_main_module",
            "forges_results_with_the_token_read_from_memory", "settrace_through_an_ipython_event",
-           "settrace_through_a_finalizer", "grader_frames_through_a_finalizer", "token_found_with_objgraph"]
+           "settrace_through_a_finalizer", "grader_frames_through_a_finalizer", "token_found_with_objgraph",
+           "token_read_from_a_summary_of_the_stack"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
