@@ -38,6 +38,17 @@ class _Token:
         return "<the result channel's token>"
 
 
+class _Sealed(dict):
+    """A part of the job (its cells, the hidden tests' sources), shown by no summary of the frames."""
+
+    def __repr__(self) -> str:
+        return "<a part of the grading job>"
+
+
+def _read_job(data: bytes) -> dict:
+    return json.loads(data, object_hook=_Sealed)
+
+
 def _send(channel: int, token: _Token, **message) -> None:
     data = (json.dumps({"token": token._value, **message}) + "\n").encode()
     while data:
@@ -90,7 +101,7 @@ def forked(request: dict, fds: list) -> None:
     apply_limits(request.get("memory_limit"))
     job_fd, channel = fds
     with os.fdopen(job_fd, "rb") as job_file:
-        job = json.loads(job_file.read())
+        job = _read_job(job_file.read())
     run(job, channel)
 
 
@@ -224,7 +235,7 @@ class _Printed(io.StringIO):
 
 def main() -> int:
     channel = int(sys.argv[1])
-    job = json.loads(sys.stdin.read())
+    job = _read_job(sys.stdin.buffer.read())
     run(job, channel)
     os._exit(0)        # the learner's objects may have finalizers: nothing of theirs runs after the verdict
 

@@ -183,6 +183,10 @@ def hostile(course, tmp_path_factory):
         "token_read_from_a_summary_of_the_stack": "import json, os, traceback\nfound = [f.locals['token'].strip(\"'\")"
         " for f in traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True)\n"
         "         if f.locals and 'token' in f.locals]\nif found:\n" + writes_passed_with("found[0]", " " * 4),
+        # right, unless the reprs of the verdict's locals show a hidden test (then wrong, to tell)
+        "looks_for_the_hidden_tests_in_the_stack": "import traceback\nseen = [repr(v) for f in "
+        "traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True) for v in (f.locals or {}).values()]\n"
+        "hidden = any(('double' + '(5)') in v for v in seen)\ndef double(x):\n    return 0 if hidden else 2 * x",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -274,6 +278,11 @@ def test_no_process_a_submission_started_outlives_grading(hostile):
 
 def test_a_runaway_answer_cell_is_interrupted_and_the_tests_still_run(hostile):
     assert hostile["results"]["loops_forever"].score == 2, "double was defined before the loop"
+
+
+def test_no_summary_of_the_verdicts_frames_shows_a_hidden_test(hostile):
+    result = hostile["results"]["looks_for_the_hidden_tests_in_the_stack"]
+    assert result.score == 2, grading.format_results([result])
 
 
 def test_a_python_warning_does_not_zero_a_test(hostile):
