@@ -17,11 +17,13 @@ cost time, not memory.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import io
 import json
 import os
 import sys
+import types
 
 
 class _Token:
@@ -132,6 +134,8 @@ def run(job: dict, channel: int) -> None:
     shell.display_pub.publish = lambda *args, **kwargs: None     # plots and displays go nowhere
     namespace = shell.user_ns
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
+    relied_on = _builtins_relied_on([c["source"] for c in job["cells"] if c["kind"] != "answer"]
+                                    + [t["source"] for t in job["tests"]], namespace)
     _send(channel, token, event="ready")
     answer_errors = {}
     given = {}
@@ -152,7 +156,7 @@ def run(job: dict, channel: int) -> None:
     tools = [name for name in job.get("tools", ()) if name in given]
     for test in job["tests"]:
         _send(channel, token, event="start", test=test["id"])
-        outcome = _run_test(keeper, test, namespace, given, tools)
+        outcome = _run_test(keeper, test, namespace, given, tools, relied_on)
         _send(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
     _send(channel, token, event="done")
 
@@ -160,23 +164,48 @@ def run(job: dict, channel: int) -> None:
 _UNSET = object()
 
 
-def _rebound(namespace: dict, given: dict, tools) -> list[str]:
+def _rebound(namespace: dict, given: dict, tools, relied_on=()) -> list[str]:
     """The grader's tools (names the locked cells imported) that the learner's code bound to
-    something else, by whatever route (`globals()`, `exec`, `__main__`)."""
-    return [f"{name} (which the set-up cell imports) was rebound by the notebook's code" for name in tools
-            if namespace.get(name, _UNSET) is not given[name]]
+    something else, by whatever route (`globals()`, `exec`, `__main__`); and the builtins the
+    lesson's own code calls (`relied_on`: name -> what it was before the learner's code ran) that
+    the learner's code bound to something else, `__builtins__` itself included: the given cells'
+    functions look names up in the notebook's globals first."""
+    found = [f"{name} (which the set-up cell imports) was rebound by the notebook's code" for name in tools
+             if namespace.get(name, _UNSET) is not given[name]]
+    if namespace.get("__builtins__", builtins) not in (builtins, vars(builtins)):
+        found.append("__builtins__ was replaced by the notebook's code")
+    found += [f"{name}, a builtin the lesson's own code calls, was bound by the notebook's code to something else "
+              "(rename it)" for name, was in relied_on.items()
+              if name in namespace and name not in given and namespace[name] is not was]
+    return found
 
 
-def _run_test(keeper, test: dict, namespace: dict, given: dict, tools) -> dict:
+def _builtins_relied_on(sources, namespace: dict) -> dict:
+    """The names of builtins that the lesson's given and test cells use, each with what it is now
+    (before the learner's code runs: a builtin, or the shell's own `exit`)."""
+    names, codes = set(), []
+    for source in sources:
+        try:
+            codes.append(compile(source, "<lesson>", "exec"))
+        except SyntaxError:
+            continue
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    return {name: namespace.get(name, getattr(builtins, name)) for name in names if hasattr(builtins, name)}
+
+
+def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on) -> dict:
     """Run a test cell: its visible self-checks with their printed output kept for the
     learner's feedback, its hidden parts with their output dropped.  The test sees the
     learner's names, and every name a locked cell bound as that cell left it."""
     parts = [(hidden, keeper.trust(compile(source, f"<test {test['id']}>", "exec")))
              for hidden, source in _parts(test["source"])]
-    before = set(keeper.problems()) | set(_rebound(namespace, given, tools))
+    before = set(keeper.problems()) | set(_rebound(namespace, given, tools, relied_on))
     printed = _Printed()
     try:
-        scope = {**namespace, **given}
+        scope = {**namespace, **given, "__builtins__": builtins}
         for hidden, code in parts:
             if hidden:
                 exec(code, scope)
@@ -190,7 +219,7 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools) -> dict:
         outcome = {"status": "timeout", "message": "the test ran past the time limit and was interrupted"}
     except BaseException as error:        # the learner's code may raise anything, SystemExit included
         outcome = {"status": "error", "message": _describe(error)}
-    problems = keeper.problems() + _rebound(namespace, given, tools)
+    problems = keeper.problems() + _rebound(namespace, given, tools, relied_on)
     if problems:
         new = [p for p in problems if p not in before] or problems
         outcome = {"status": "tampered", "message": "; ".join(new[:3])}

@@ -9,6 +9,8 @@ from lesson_support import (
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
+from gclab import grading
+
 SOLUTION = ROOT / "solutions" / "07_weakref_caches" / "07_weakref_caches.ipynb"
 RELEASE = ROOT / "notebooks" / "07_weakref_caches" / "07_weakref_caches.ipynb"
 POINTS = 10
@@ -314,6 +316,17 @@ WRONG = {
     "dead_refs_never_removed": DEAD_REFS_NEVER_REMOVED,
     "keyed_by_id": KEYED_BY_ID,
     "shared_by_every_cache": SHARED_BY_EVERY_CACHE,
+    # dead entries kept, and the hidden test's own loop shortened by a global named like the builtin it calls
+    "cheat_shadows_a_builtin_the_tests_call": DEAD_REFS_NEVER_REMOVED + (
+        "\nimport builtins as _B\ndef range(*args):\n    return _B.range(0) if args == (500,) else _B.range(*args)\n"),
+    # the same, the tests' `import sys` answered by a stand-in through a __builtins__ of the answer's own
+    "cheat_replaces_builtins": DEAD_REFS_NEVER_REMOVED + (
+        "\nimport builtins as _B, types as _T\n_real_import = _B.__import__\n"
+        "def _imp(name, globals=None, locals=None, fromlist=(), level=0):\n"
+        "    if name == 'sys' and not fromlist and globals is not None and '_BUILT' in globals:\n"
+        "        return _T.SimpleNamespace(getallocatedblocks=lambda: 0)\n"
+        "    return _real_import(name, globals, locals, fromlist, level)\n"
+        "__builtins__ = dict(vars(_B), __import__=_imp)\n"),
     # a "warm pool" of every model, filled only while the collector is on: in production it never lets go
     "pins_every_model_while_collector_on": reference(
         strong='if gc.isenabled():\n            self.__dict__.setdefault("_pinned", {})[name] = model\n        ' + LRU),
@@ -396,6 +409,16 @@ def test_partial_work_earns_partial_marks(graded):
     assert graded["purely_weak"].score == POINTS - 2
     assert graded["stale_weakrefs"].score == POINTS - 2
     assert graded["fifo_eviction"].score == POINTS - 2
+
+
+@pytest.mark.parametrize("name, words", [
+    ("cheat_shadows_a_builtin_the_tests_call", "range, a builtin the lesson's own code calls, was bound"),
+    ("cheat_replaces_builtins", "__builtins__ was replaced by the notebook's code"),
+])
+def test_changing_the_builtins_the_tests_call_is_reported(graded, name, words):
+    """A stale cache passes test_no_stale_entries (8/10 -> 10/10) when the hidden test's `range` or
+    `import` is the answer's: the tests see the real builtins, and the answer's are reported."""
+    assert graded[name].score == 0 and words in graded[name].reason, grading.format_results([graded[name]])
 
 
 def test_patching_the_grader_is_reported(graded):
