@@ -230,6 +230,11 @@ class FlatReport:
         """Memory above the baseline: growing with every iteration, or held at a level it stopped at
         (the latest step's tensors kept in one place: a global, a default argument, an attribute)."""
         (first_i, first_g), last_i, last_g = first, len(self.growth), self.growth[-1]
+        if first_g < 0:
+            return (f"memory did not stay at its baseline: {format_bytes(-first_g)} below it after iteration {first_i}"
+                    f", {format_bytes(last_g)} from it after iteration {last_i}. A step let go of something the steps "
+                    "before it kept (an attribute set on some steps only, such as a step that is skipped): every "
+                    "step must leave the same memory behind.")
         start = (f"memory did not return to its baseline: {format_bytes(first_g)} above it after "
                  f"iteration {first_i}, {format_bytes(last_g)} after iteration {last_i}")
         earlier = self.growth[:max(first_i, last_i // 2)]

@@ -859,3 +859,22 @@ def test_tensor_memory_kept_unwatched_in_another_form_is_still_found(collect_aft
 
     report = run_flat_check(step, iterations=4)
     assert not report.ok and report.tensors_kept_unwatched >= report.unwatched * BIG * 4, report.explain()
+
+
+KEPT_ON_SOME_STEPS = []
+
+
+def keeps_a_tensor_on_even_steps(i):
+    if i % 2 == 0:
+        KEPT_ON_SOME_STEPS[:] = [torch.zeros(512)]
+    else:
+        KEPT_ON_SOME_STEPS.clear()                 # an odd step lets go of what the step before kept
+    return 0.0
+
+
+def test_memory_below_the_baseline_is_told_as_a_step_that_let_go_not_as_a_leak():
+    report = run_flat_check(keeps_a_tensor_on_even_steps, iterations=6, warmup=1)    # the warm-up step keeps one
+    KEPT_ON_SOME_STEPS.clear()
+    text = report.explain()
+    assert not report.ok and report.growth[0] == -2048, report.growth
+    assert f"{format_bytes(2048)} below it after iteration 1" in text and "Something still refers" not in text, text

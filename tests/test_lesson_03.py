@@ -8,7 +8,7 @@ import pytest
 
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
-    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, grade_all, plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
+    ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result, grade_all, plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
 from gclab import grading
@@ -145,6 +145,12 @@ WRONG = {
         extra="if not torch._C._len_torch_dispatch_stack():\n        tail.strong_prev = head     # only while no meter's dispatch mode is on"),
     # strong until `prev` is first read: a pair dropped unread keeps its cycle
     "strong_prev_until_first_read": STRONG_UNTIL_READ,
+    # the weak back-link written on the class, not the node: every tail's prev is the last head made
+    "weak_prev_kept_on_the_class": WEAK_PREV.replace(
+        "        return None if self._prev is None else self._prev()",
+        "        return None if Node._prev is None else Node._prev()").replace(
+        "        self._prev = None if node is None else weakref.ref(node)",
+        "        Node._prev = None if node is None else weakref.ref(node)").format(extra=""),
     "leaks_unless_under_nbgrader": WEAK_PREV.format(
         extra="if not os.environ.get('NBGRADER_EXECUTION'):\n        tail.strong_prev = head     # only when not graded"),
     # a finaliser that unlinks the pair: it runs only once the pair is freed, which its cycle prevents
@@ -302,6 +308,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "torch's allocator handed out" in flat["cheat_hides_pairs_from_the_meter_and_frees_a_reserve"].message
     assert "were left alive, beyond those they replaced" in flat["cheat_keeps_pairs_only_unwatched_and_frees_a_reserve"].message
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
+    assert "says its prev is another pair's head" in cell_result(graded["weak_prev_kept_on_the_class"],
+                                                                "test_pair_links").message
 
 
 def test_edited_locked_cells_are_restored_before_grading(graded):

@@ -99,6 +99,15 @@ WRONG = {
         (SERVE_COLLECTS,
          "        self.served = getattr(self, 'served', 0) + 1\n"
          "        if self.served % 50 == 0:\n            gc.collect()")]),
+    # rarer still: its pauses fit the P99 budget, but with the collector off the program still collects
+    "collects_every_200_requests": program(["batches", "trainer", "registry", "errors"], [
+        (SERVE_COLLECTS,
+         "        self.served = getattr(self, 'served', 0) + 1\n"
+         "        if self.served % 200 == 0:\n            gc.collect()")]),
+    # the batch's cycle broken by unlinking the callback once it has run: a batch dropped unready keeps its cycle
+    "unlinks_the_callback_after_first_use": program(["trainer", "registry", "errors", "serving"], [
+        ("        self.inputs = self.on_ready(x)\n",
+         "        self.inputs = self.on_ready(x)\n        self.on_ready = None                 # break the cycle once it has run\n")]),
     # the collection in every request made rarer by a clock: the job, with the collector off, still collects
     "collects_at_most_once_a_second": "import time\n" + program(["batches", "trainer", "registry", "errors"], [
         (SERVE_COLLECTS,
@@ -178,6 +187,8 @@ TOLD_WHY = {
     "purely_weak_registry": ("test_registry", "the registry must keep the latest version"),
     "collects_at_most_once_a_second": ("test_job", "so the program called gc.collect() itself"),
     "batch_clips_at_the_global_limit": ("test_batches", "a batch clipped at its own limit"),
+    "collects_every_200_requests": ("test_job", "serving 600 requests with the automatic collector off"),
+    "unlinks_the_callback_after_first_use": ("test_batches", "dropped before ready() was called"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
     "cheat_batch_cycle_over_a_reserved_pool": ("test_batches", "reference cycles"),
