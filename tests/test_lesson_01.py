@@ -66,6 +66,13 @@ WRONG = {
         "scaler": _scaler(prepare="del batch",
                           formula="(x - fitting_batch(i, device).mean()) / fitting_batch(i, device).std()"),
     },
+    # the same refit, through a second name for fitting_batch: the calls the hidden test counts are not made
+    "keeps_a_copy_and_refits_through_another_name": {
+        "jobs": RUN_JOB.format(handle="pass", error="FloatingPointError(str(e))"),
+        "scaler": "_fitting = fitting_batch\ndef make_scaler(i, device=DEVICE):\n    fitting_batch(i, device)\n"
+                  "    def scale(x):\n        batch = _fitting(i, device)\n        return (x - batch.mean()) / batch.std()\n"
+                  "    return scale\n",
+    },
     # each batch copied into a slot of a tensor made beforehand: no new memory for the meter, yet
     # every scaler keeps its batch (a view of the slot), as the leaky one did
     "keeps_its_batch_in_a_reserved_slot": {
@@ -298,6 +305,8 @@ def test_wrong_fixes_are_told_why(graded):
                                                         "test_job_memory_flat")
     assert "raised NameError" in _message(graded["empty_cache_and_del_the_captured_name"], "test_scaler_results")
     assert "FloatingPointError" in _message(graded["drops_what_the_caller_needs"], "test_job_reports")
+    assert "it fits a batch again on every call" in _message(graded["keeps_a_copy_and_refits_through_another_name"],
+                                                             "test_scaler_results")
     assert "must still work after make_scaler has returned" in _message(graded["drops_what_the_caller_needs"],
                                                                    "test_scaler_results")
     assert "holds" in _message(graded["deletes_the_wrong_reference"], "test_job_reports")
