@@ -164,7 +164,7 @@ def run(job: dict, channel: int) -> None:
 _UNSET = object()
 
 
-def _rebound(namespace: dict, given: dict, tools, relied_on=()) -> list[str]:
+def _rebound(namespace: dict, given: dict, tools, relied_on: dict | None = None) -> list[str]:
     """The grader's tools (names the locked cells imported) that the learner's code bound to
     something else, by whatever route (`globals()`, `exec`, `__main__`); and the builtins the
     lesson's own code calls (`relied_on`: name -> what it was before the learner's code ran) that
@@ -175,7 +175,7 @@ def _rebound(namespace: dict, given: dict, tools, relied_on=()) -> list[str]:
     if namespace.get("__builtins__", builtins) not in (builtins, vars(builtins)):
         found.append("__builtins__ was replaced by the notebook's code")
     found += [f"{name}, a builtin the lesson's own code calls, was bound by the notebook's code to something else "
-              "(rename it)" for name, was in relied_on.items()
+              "(rename it)" for name, was in (relied_on or {}).items()
               if name in namespace and name not in given and namespace[name] is not was]
     return found
 
