@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 
-from .grading import NotebookResult, TestResult
+from .grading import NotebookResult, TestResult, answer_cells
 
 
 def _meta(cell) -> dict:
@@ -23,10 +23,8 @@ def graded_notebook(release_nb, submitted_nb, result: NotebookResult):
     """The learner's notebook as graded: their answer cells as submitted (outputs kept; every
     copy of one, as graded), the locked cells as released, and each test cell showing its score
     and result."""
-    answers = {}
-    for c in submitted_nb.cells:
-        if _meta(c).get("solution"):
-            answers.setdefault(_meta(c).get("grade_id"), []).append(nbformat.from_dict(c))
+    answers = {grade_id: [nbformat.from_dict(c) for c in cells]
+               for grade_id, cells in answer_cells(submitted_nb).items()}
     tests = {t.id: t for t in result.tests}
     nb = nbformat.from_dict(release_nb)
     cells = []

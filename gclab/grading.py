@@ -350,14 +350,18 @@ def _meta(cell) -> dict:
     return cell.metadata.get("nbgrader", {}) if cell.cell_type == "code" else {}
 
 
-def _answers_of(submitted) -> dict[str, list[str]]:
+def answer_cells(submitted) -> dict[str, list]:
     """The learner's answer cells, by grade_id (a cell whose metadata was stripped is not one):
     every copy of one, in order (a cell copied in JupyterLab keeps its metadata)."""
     answers = {}
     for c in submitted.cells:
         if _meta(c).get("solution") and _meta(c).get("grade_id"):
-            answers.setdefault(_meta(c)["grade_id"], []).append(c.source)
+            answers.setdefault(_meta(c)["grade_id"], []).append(c)
     return answers
+
+
+def _answers_of(submitted) -> dict[str, list[str]]:
+    return {grade_id: [c.source for c in cells] for grade_id, cells in answer_cells(submitted).items()}
 
 
 def top_level_names(source: str) -> set[str]:
