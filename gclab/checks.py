@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .gcwatch import Collection, GCWatch
-from .held import HeldBytes, HeldReport, StorageCensus
+from .held import HeldBytes, HeldReport, StorageCensus, graphs_held
 from .memory import AllocationCensus, Meter, ProcessMemory, format_bytes, process_memory
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
-           "run_policy_check", "assert_policy"]
+           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
 # notebook's locked set-up cell imports it before any student code runs).
@@ -536,6 +536,23 @@ def _run_collector_on(step, meter, report: FlatReport, start: int, storages_befo
 
 def assert_flat(report: FlatReport) -> None:
     assert report.ok, report.explain()
+
+
+def assert_graphs_do_not_grow(step, holder, holder_name: str, iterations: int = 10, start: int = 0) -> None:
+    """Call `step(i)` for `iterations` values of i from `start`; every autograd graph that `holder` keeps
+    must be no bigger after than before.  A graph that each step extends (a running total of losses)
+    keeps a few hundred bytes of nodes per step on the heap after backward() freed what it saved: the
+    tensor meter sees nothing, the node count does."""
+    before = graphs_held(holder, holder_name)
+    for i in range(start, start + iterations):
+        step(i)
+    after = graphs_held(holder, holder_name)
+    grown = [(path, before[path], size) for path, size in after.items() if size > before.get(path, size)]
+    assert not grown, "; ".join(
+        f"{path} carries an autograd graph that grew from {was:,} to {now:,} nodes in {iterations} steps: each "
+        "step links its graph to it (a running total such as `total += loss` does), and backward() frees only "
+        "the tensors a graph saved, so its nodes pile up on the heap, where the memory check cannot see them. "
+        "Keep a number (loss.item()) or a tensor without a graph (loss.detach())" for path, was, now in grown[:2])
 
 
 def _held_report(held: HeldBytes, growth: int, iterations: int) -> "HeldReport | None":

@@ -12,24 +12,37 @@
   traceback's or a generator's frame), the collector's object graph (`gc.get_objects`,
   `get_referrers`, `get_referents`), ctypes, `marshal`, tracing, code of the grader's run
   with other globals; and, as configured, new processes and signals, writing files outside
-  the working folder, and reading the course's own files (its solutions).
+  the working folder, and reading the course's own files (its solutions);
+- it replaces the functions in C that hand a frame to a callable of the caller's, or load
+  code that no audit event sees (`_GATED`: signal handlers, fresh builtin modules, extension
+  modules, torch's frame-evaluation hooks), by ones that ask the hook, which alone holds the
+  originals.
 
 An event is the learner's when a frame of the learner's code is anywhere on the stack;
 code from the standard library, installed packages and gclab, and code the grader compiled
-itself (`Guard.trust`), is the grader's.  What was refused is listed by `problems()`, so a
-grade can say why.
+itself (`Guard.trust`), is the grader's.  A frame, though, is judged by who gets it: every
+frame leads (through `f_back`, which no event audits) to the verdict's, so one read while the
+learner's code runs is refused unless gclab's or the grader's code asked for it, or the library
+that read it is known to keep it to itself (`_FRAME_SUMMARIES`).  What was refused is listed by
+`problems()`, so a grade can say why.
 
 The guard's own state is out of the learner's reach too.  `install()` hands its `Guard` to
 its caller alone: gclab.guard keeps no reference to it, its methods are looked up in a class
 made for that one installation (replacing `Guard`'s members changes nothing installed), and
 the audit hook, which CPython lists nowhere, holds the only other reference.  The learner's
 code can reach neither (frames and the collector's object graph are refused), so it cannot
-clear the manifest or the refusals, trust its own code, or change the guard's settings.  What
-it can still do through a module's `__dict__` (rebind a guarded module's names, the guard's
-own included) is not prevented but is listed by `problems()`.
+clear the manifest or the refusals, trust its own code, or change the guard's settings.  The
+hook runs none of the learner's code: what it is handed is read by exact type only, and its
+names are looked up in a private copy of this module's globals and of the builtins, taken at
+installation.  What the learner's code can still do through a module's `__dict__` (rebind a
+guarded module's names, this one's included) is not prevented, is listed by `problems()`, and
+changes nothing the hook does.
 """
 from __future__ import annotations
 
+import builtins
+import functools
+import operator
 import os
 import re
 import sys
@@ -43,24 +56,66 @@ GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "po
                    "numpy")
 # frozen: the hook reads them at every event, and a learner could reach a mutable set
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
-# library functions that hand frames back to whoever called them
-_FRAME_RETURNING = frozenset({("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
-                              ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
-                              ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
-                              ("traceback.py", "_walk_tb_with_full_positions"),
-                              ("base_tasks.py", "_task_get_stack"), ("__init__.py", "<lambda>")})
+_FRAME_HOLDERS = (types.TracebackType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
+_TracebackType, _FrameType, _FunctionType, _MethodType = types.TracebackType, types.FrameType, types.FunctionType, types.MethodType
+_BuiltinFunctionType, _SimpleNamespace, _partial = types.BuiltinFunctionType, types.SimpleNamespace, functools.partial
+_FILESYSTEM_ENCODING = sys.getfilesystemencoding()
+# A frame leads to every frame below it (f_back is never audited), the verdict's own included, so a
+# frame is judged by who gets it, however many libraries stand between (functools.singledispatch(
+# sys._getframe), a mock's side effect, heapq.merge over walk_tb).  Library functions that hand the
+# frames they read to their caller:
+_FRAME_PASSING = frozenset({("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
+                            ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
+                            ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
+                            ("traceback.py", "_walk_tb_with_full_positions"), ("logging/__init__.py", "<lambda>"),
+                            ("base_tasks.py", "_task_get_stack")})
+# The library functions known to read a frame for their own use and to hand back nothing of it but
+# names and lines (a summary of a traceback, a warning's module, a logger's caller), and to hand the
+# frame itself to no function the learner's code could have rebound (traceback.extract_stack passes it
+# to the module's walk_stack, logging with stack_info to traceback.print_stack: not listed).  A frame
+# read for any other function while the learner's code runs is refused.
+_FRAME_SUMMARIES = frozenset({("traceback.py", "_extract_from_extended_frame_gen"), ("traceback.py", "clear_frames"),
+                              ("logging/__init__.py", "findCaller"), ("typing.py", "_caller"), ("enum.py", "_create_"),
+                              ("collections/__init__.py", "namedtuple"), ("_api/__init__.py", "warn_external"),
+                              ("magic.py", "parse_options"), ("coroutines.py", "_format_coroutine"),
+                              ("typing_extensions.py", "_has_generic_or_protocol_as_origin"),
+                              ("typing_extensions.py", "_caller"), ("traitlets.py", "__init__"),
+                              ("objgraph.py", "_find_chain"), ("objgraph.py", "_show_graph"), ("decorator.py", "update"),
+                              ("_refs/__init__.py", "_make_alias"), ("library.py", "__init__"),
+                              ("_jit_internal.py", "get_class_name_lineno")})
+# ... the value each of those must hold in a local for it to be one (a traceback summary without the
+# frames' locals; a logger's caller without its stack):
+_FRAME_SUMMARY_CONDITIONS = (("_extract_from_extended_frame_gen", "capture_locals"), ("findCaller", "stack_info"))
+# ... and those that use the locals of the frame they read, or of its caller (IPython expanding {names} in
+# a magic's line, numpy's np.r_["..."] and bmat, a multiple-dispatch decorator in a class body): allowed
+# unless that frame is gclab's or the grader's.
+_FRAME_LOCALS_READERS = frozenset({("interactiveshell.py", "var_expand"), ("interactiveshell.py", "get_local_scope"),
+                                   ("interactiveshell.py", "push"), ("magic.py", "magic_deco"), ("six.py", "exec_")})
+_CALLER_LOCALS_READERS = frozenset({("_index_tricks_impl.py", "__getitem__"), ("defmatrix.py", "bmat"),
+                                    ("core.py", "_"), ("core.py", "_df")})
+_FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
+# What reaches past the caller (objects handed back, a hook installed for every later call, memory, code
+# made up): allowed only where gclab's own code or the grader's makes the call, directly or through
+# libraries it called.  A library making it for the learner (objgraph.by_type, IPython calling back a
+# functools.partial of sys.settrace after a cell) is the learner's doing.
 _REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-                       "sys.settrace", "sys.setprofile", "sys._getframe", "marshal.loads", "marshal.load",
+                       "sys.settrace", "sys.setprofile", "marshal.loads", "marshal.load",
                        "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function", "ctypes.addressof",
                        "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
                        "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
                        "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
-# Of those, the events whose result or effect reaches past the caller (objects handed back, a hook
-# installed for every later call): allowed only where gclab's own code or the grader's makes the call.
-# A library making it for the learner (objgraph.by_type, IPython calling back a functools.partial of
-# sys.settrace after a cell) is the learner's doing, whether or not a frame of the learner's is on the stack.
-_GRADER_ONLY = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-                          "sys.settrace", "sys.setprofile"})
+# Functions in C that hand a frame to a callable of the caller's, or load code that no audit event
+# sees: each is replaced by one that asks the guard (an audit event), and only the guard's hook holds
+# the original.  A signal handler is called with the interrupted frame; a fresh _signal or _imp module
+# (from _imp.create_builtin) would hold the originals again; an extension module loaded from the
+# grading folder is machine code; torch's frame-evaluation hooks see every frame that starts.
+_GATED = (("_signal", "signal"), ("_imp", "create_builtin"), ("_imp", "create_dynamic"),
+          ("torch._C._dynamo.eval_frame", "set_eval_frame"),
+          ("torch._C._dynamo.eval_frame", "set_bytecode_debugger_callback"),
+          ("torch._C._dynamo.eval_frame", "set_guard_error_hook"),
+          ("torch._C._dynamo.eval_frame", "set_guard_complete_hook"))
+_GATE_EVENT = "gclab.guard.gate"
+_BUILTINS_HOLDING_GATES = frozenset({"_signal", "_imp"})
 # Library code that calls back what it was handed, with none of the learner's frames on the stack:
 # a call made from one of these is the learner's doing.
 _CALLING_BACK = frozenset({("weakref.py", "__call__"), ("events.py", "trigger"), ("events.py", "_run"),
@@ -102,11 +157,122 @@ def install(workdir=None, processes: bool = False, files: bool = True, hidden=()
     its solutions and hidden tests), gclab's own package excepted."""
     # A class of this installation's own: its members are the ones defined below, whatever
     # the learner's code does to `Guard` afterwards; nothing but the returned object refers to it.
-    sealed = type(Guard.__name__, (Guard,), {name: member for name, member in vars(Guard).items()
+    # Its code looks names up in a private copy of this module's globals and of the builtins, taken
+    # now, before any learner code runs: what the learner's code rebinds through this module's
+    # __dict__ or builtins' (listed by `problems()`, not refused) changes nothing the hook does.
+    private = _private_namespace()
+    sealed = type(Guard.__name__, (Guard,), {name: _bound_to(member, private) for name, member in vars(Guard).items()
                                              if name not in ("__dict__", "__weakref__")})
+    originals = _take_gated()          # before the manifest, which then lists the gates as the tools
     guard = sealed(workdir or os.getcwd(), processes, files, hidden)
-    guard._arm()
+    guard._arm(originals)
     return guard
+
+
+def _private_namespace() -> dict:
+    private = dict(globals())
+    private["__builtins__"] = dict(vars(builtins))
+    for name, value in list(private.items()):
+        if type(value) is types.FunctionType and value.__globals__ is globals():
+            private[name] = _bound_to(value, private)
+    return private
+
+
+def _bound_to(member, namespace: dict):
+    """`member` (a function, or a static method's) looking its global names up in `namespace`."""
+    if isinstance(member, staticmethod):
+        return staticmethod(_bound_to(member.__func__, namespace))
+    if type(member) is not types.FunctionType:
+        return member
+    copy = types.FunctionType(member.__code__, namespace, member.__name__, member.__defaults__, member.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = member.__kwdefaults__, member.__qualname__
+    return copy
+
+
+def _resolve(path: str, open=os.open, readlink=os.readlink, close=os.close, getcwd=os.getcwd,
+             flags=os.O_PATH | os.O_CLOEXEC) -> str:
+    """`path` made absolute and canonical as the kernel resolves it (links, `..`): its longest part that
+    exists, opened without being read (O_PATH) and named by /proc/self/fd, then the rest.  Only
+    functions in C, bound now: the hook calls it, and must run no code the learner's could rebind."""
+    if not path.startswith("/"):
+        path = getcwd() + "/" + path
+    rest = ""
+    while True:
+        try:
+            fd = open(path, flags)
+        except OSError:
+            head, _, tail = path.rpartition("/")
+            rest = tail + "/" + rest if rest else tail
+            if not head:
+                return "/" + rest
+            path = head
+            continue
+        try:
+            real = readlink(f"/proc/self/fd/{fd}")
+        except OSError:             # no /proc: the path as it was written
+            real = path
+        finally:
+            close(fd)
+        return real if not rest else real.rstrip("/") + "/" + rest
+
+
+def _take_gated() -> dict:
+    """Replace each gated function (`_GATED`) by one that asks the guard; the originals, for the hook
+    alone.  Empty for the functions another guard of this process already took: its hook calls them."""
+    originals = {}
+    for module_name, name in _GATED:
+        module = sys.modules.get(module_name)
+        if module is None and module_name.startswith("torch."):
+            continue
+        if module is None:
+            module = __import__(module_name)
+        function = vars(module).get(name)
+        if isinstance(function, types.BuiltinFunctionType):
+            key = f"{module_name}.{name}"
+            originals[key] = function
+            object.__setattr__(module, name, _gate(key))
+    return originals
+
+
+def _gate(key: str):
+    def asks_the_guard(*args, audit=sys.audit, prepare=_GATE_ARGUMENTS.get(key, _as_given)):
+        answer = []
+        audit(_GATE_EVENT, key, prepare(*args), answer)
+        if not answer:
+            raise RuntimeError(f"{key} is not available while grading")
+        return answer[0]
+    asks_the_guard.__name__ = asks_the_guard.__qualname__ = key.rpartition(".")[2]
+    return asks_the_guard
+
+
+def _module_spec(spec, file=None):
+    """What _imp reads of a spec, read once (the learner's spec could answer differently twice)."""
+    return (types.SimpleNamespace(name=_text(spec.name), origin=_text(getattr(spec, "origin", None))),
+            *(() if file is None else (file,)))
+
+
+# How each gated function's arguments are made plain (exact types, read once) before the hook sees them:
+# the hook never calls a method of the learner's objects.
+_GATE_ARGUMENTS = {"_signal.signal": lambda signalnum, handler: (operator.index(signalnum), handler),
+                   "_imp.create_builtin": _module_spec, "_imp.create_dynamic": _module_spec}
+
+
+def _as_given(*args):
+    return args
+
+
+def _text(value):
+    """`value` as an exact str, with none of the learner's methods run (None when it is no str)."""
+    kind = type(value)
+    if kind is str:
+        return value
+    if issubclass(kind, str):
+        return str.__str__(value)
+    return None
+
+
+def _type_name(value) -> str:
+    return type.__dict__["__name__"].__get__(type(value))
 
 
 def _library_roots() -> tuple:
@@ -131,9 +297,12 @@ class Guard:
         self._busy = threading.local()
         self._modules = self._guarded_modules()
         self._module_ids = frozenset(id(m) for m in self._modules.values())
+        self._module_names = {id(m): name for name, m in self._modules.items()}
+        import _signal
+        self._default_int_handler = _signal.default_int_handler
         # bound now: the hook and the manifest's check must not look names up in globals the
         # learner's code can rebind through a module's __dict__ (that would be listed, not prevented)
-        self._same_tool, self._read, self._realpath, self._fsdecode = _same_tool, _read, os.path.realpath, os.fsdecode
+        self._same_tool, self._read, self._realpath = _same_tool, _read, _resolve
         self._memory_file, self._memory_folders = _MEMORY_FILES.fullmatch, _MEMORY_FOLDERS
         self._manifest = self._take_manifest()
 
@@ -212,11 +381,17 @@ class Guard:
         return code
 
     def _library_file(self, filename) -> bool:
+        """Is `filename` the file of library code: the standard library's (frozen modules included),
+        an installed package's or gclab's?  Only an exact str that is an absolute path, or a frozen
+        module's name, can be: the learner's code may name its code anything (a str of its own whose
+        methods would run here, a relative path into the libraries)."""
+        if type(filename) is not str:
+            return False
         known = self._file_trust.get(filename)
         if known is None:
             if filename.startswith("<frozen "):
                 known = True
-            elif filename.startswith("<") or not filename:
+            elif not filename.startswith("/"):
                 known = False
             else:
                 real = self._realpath(filename)
@@ -235,11 +410,22 @@ class Guard:
         code = frame.f_code
         if id(code) in self._trusted_codes:
             return True
-        known = self._gclab_files.get(code.co_filename)
+        filename = code.co_filename
+        if type(filename) is not str:
+            return False
+        known = self._gclab_files.get(filename)
         if known is None:
-            known = self._gclab_files[code.co_filename] = (
-                code.co_filename.startswith("/") and self._realpath(code.co_filename).startswith(self.gclab_dir))
+            known = self._gclab_files[filename] = (
+                filename.startswith("/") and self._realpath(filename).startswith(self.gclab_dir))
         return known
+
+    def _where(self, frame):
+        """(file, function) of a library frame, the file as `_FRAME_PASSING` names it; None otherwise."""
+        code = frame.f_code
+        if not self._library_file(code.co_filename) or type(code.co_name) is not str:
+            return None
+        folder, _, name = code.co_filename.rpartition("/")
+        return (f"{folder.rpartition('/')[2]}/{name}" if name == "__init__.py" else name), code.co_name
 
     def _made_for_the_grader(self, frame) -> bool:
         """Is the call made by gclab's or the grader's own code, directly or through libraries it
@@ -254,8 +440,25 @@ class Guard:
     def _calling_back(self, frame) -> bool:
         """Is `frame` library code calling back something it was handed (a finalizer, an IPython event
         handler, a thread's target)?"""
-        return (frame is not None and self._library_file(frame.f_code.co_filename)
-                and (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name) in _CALLING_BACK)
+        return frame is not None and self._where(frame) in _CALLING_BACK
+
+    def _frame_kept_to_itself(self, reader, frame) -> bool:
+        """Does the library code that read `frame` (from `reader` down, through functions that pass frames
+        on) keep it to itself: a summary of names and lines, or the locals of the learner's own frame?"""
+        while reader is not None and self._where(reader) in _FRAME_PASSING:
+            reader = reader.f_back
+        where = reader and self._where(reader)
+        if where in _FRAME_SUMMARIES:
+            for function, local in _FRAME_SUMMARY_CONDITIONS:
+                if where[1] == function:
+                    value = reader.f_locals.get(local)
+                    return value is None or value is False
+            return True
+        if where in _CALLER_LOCALS_READERS and frame is not None:
+            frame = frame.f_back
+        elif where not in _FRAME_LOCALS_READERS:
+            return False
+        return frame is not None and not self._grader_own(frame)
 
     def learner_on_stack(self, frame) -> bool:
         while frame is not None:
@@ -265,7 +468,10 @@ class Guard:
         return False
 
     # -- the audit hook --------------------------------------------------------------------
-    def _arm(self) -> None:
+    # The hook runs none of the learner's code: what it is handed (the arguments of any event, which the
+    # learner's code can raise itself with sys.audit) is read by exact type only, since code run inside
+    # the hook raises no event the hook would judge.
+    def _arm(self, originals: dict) -> None:
         for module in self._modules.values():
             if type(module) is types.ModuleType:
                 module.__class__ = _LockedModule
@@ -288,33 +494,32 @@ class Guard:
                 error = (AttributeError if event in _MODULE_EVENTS else
                          PermissionError if (event == "open" or event in _FILE_EVENTS) else RuntimeError)
                 raise error(f"refused while grading: {refusal}")
+            if event == _GATE_EVENT and args[0] in originals and type(args[1]) is tuple and type(args[2]) is list:
+                args[2].append(originals[args[0]](*args[1]))
         sys.addaudithook(hook)
 
     def _judge(self, event, args, frame):
         if event == "sys.addaudithook":     # another hook, even one a library adds for the learner, sees first-hand
             return f"{event} (a hook of the learner's own)" if self.learner_on_stack(frame) else None
-        if event in _GRADER_ONLY:
-            return None if self._made_for_the_grader(frame) else f"{event} (reaching into the grader's objects)"
+        if event in _FRAME_EVENTS:
+            return self._judge_frame(event, args, frame)
         if event in _REACHING:
-            if not self._calling_back(frame) and (self._library_reads_frame(frame) or not self.learner_on_stack(frame)):
+            if self._made_for_the_grader(frame) or self._loads_library_bytecode(event, frame):
                 return None
             return f"{event} (reaching into the grader's objects)"
-        if event == "object.__getattr__":
-            if (args[1] in _FRAME_ATTRIBUTES and not self._library_reads_frame(frame)
-                    and self.learner_on_stack(frame)):
-                return f"reading {type(args[0]).__name__}.{args[1]} (a frame of the grader's code)"
-            return None
+        if event == _GATE_EVENT:
+            return self._judge_gate(args, frame)
         if event == "object.__setattr__":
             if self._is_tool(args[0]) and self.learner_on_stack(frame):
-                return f"setting {getattr(args[0], '__qualname__', type(args[0]).__name__)}.{args[1]}"
+                return f"setting {self._tool_name(args[0])}.{_text(args[1])}"
             return None
         if event == "exec":
             if id(args[0]) in self._trusted_codes and self.learner_on_stack(frame):
                 return "running the grader's code with the learner's globals"
             return None
         if event in ("compile", "code.__new__"):
-            filename = os.fsdecode(args[1]) if isinstance(args[1], (str, bytes)) else ""
-            if filename.startswith("/") and self._library_file(filename) and self.learner_on_stack(frame):
+            filename = self._path(args[1])
+            if filename and self._library_file(filename) and self.learner_on_stack(frame):
                 return f"{event} of code that claims to be {filename}"
             return None
         if event in _PROCESS_EVENTS:
@@ -327,57 +532,148 @@ class Guard:
             return self._judge_module_change(event, *args, frame=frame)
         return None
 
+    def _judge_frame(self, event, args, frame):
+        """sys._getframe, or a traceback's, generator's or coroutine's frame read: see `_FRAME_PASSING`."""
+        if event == "object.__getattr__":
+            if type(args[1]) is not str or args[1] not in _FRAME_ATTRIBUTES:
+                return None
+            holder = args[0]
+            if not any(type(holder) is kind for kind in _FRAME_HOLDERS):     # `in` would call a metaclass's __eq__
+                return None
+            read = holder.tb_frame if type(holder) is _TracebackType else getattr(holder, args[1])
+            what = f"reading {_type_name(holder)}.{args[1]}"
+        else:
+            read = args[0] if args and type(args[0]) is _FrameType else None
+            what = event
+        if self._made_for_the_grader(frame) or self._frame_kept_to_itself(frame, read):
+            return None
+        return f"{what}{self._handed_to(frame)} (a frame of the grader's code, handed to the learner's)"
+
+    def _handed_to(self, reader) -> str:
+        """ by file:function (for file:function), naming the library code that read the frame and, when
+        it passed the frame on, the code it passed it to."""
+        names = []
+        while reader is not None and len(names) < 2:
+            where = self._where(reader)
+            if where is None:
+                name = reader.f_code.co_name
+                names.append(f"the notebook's {_text(name) or 'code'}" if names else "")
+                break
+            names.append(f"{where[0]}:{where[1]}")
+            if where not in _FRAME_PASSING:
+                break
+            reader = reader.f_back
+        by = f" by {names[0]}" if names and names[0] else ""
+        return by + (f" for {names[1]}" if len(names) > 1 else "")
+
+    def _loads_library_bytecode(self, event, frame) -> bool:
+        """marshal.loads by the import system, of a library module's cached bytecode."""
+        if not event.startswith("marshal.") or frame is None or self._where(frame) != (
+                "<frozen importlib._bootstrap_external>", "_compile_bytecode"):
+            return False
+        path = frame.f_locals.get("bytecode_path")
+        return type(path) is str and self._library_file(path)
+
+    def _judge_gate(self, args, frame):
+        """A gated function (`_GATED`) called: allowed to the grader's own code; to the learner's, a signal
+        handler that is no callable of its own, no module that would hold the originals again, no
+        extension module from outside the libraries, and no frame-evaluation hook."""
+        if len(args) != 3 or type(args[0]) is not str or type(args[1]) is not tuple:
+            return "gclab.guard.gate called with something else than what the gates send"
+        key, call = args[0], args[1]
+        caller = frame.f_back if frame is not None else None       # frame: the gate itself, in gclab
+        if self._made_for_the_grader(caller):
+            return None
+        if key == "_signal.signal":
+            handler = call[1] if len(call) == 2 else None
+            if type(handler) is int or self._library_handler(handler):
+                return None
+            return "signal.signal with a handler of the learner's own (a handler gets the frame it interrupted)"
+        if key in ("_imp.create_builtin", "_imp.create_dynamic"):
+            spec = call[0] if call else None
+            name = spec.name if type(spec) is _SimpleNamespace else None
+            if key == "_imp.create_builtin" and type(name) is str and name not in _BUILTINS_HOLDING_GATES:
+                return None
+            if key == "_imp.create_dynamic" and self._library_file(spec.origin):
+                return None
+            return f"{key} of {name} (a module whose functions the guard keeps)"
+        if all(value is None or value is False for value in call):
+            return None
+        return f"{key} (a hook that would see every frame)"
+
+    def _library_handler(self, handler) -> bool:
+        """Python's own SIGINT handler, or asyncio's (asyncio.run installs one, through a partial)."""
+        if type(handler) is _partial:
+            handler = handler.func
+        if type(handler) is _BuiltinFunctionType:
+            return handler is self._default_int_handler
+        function = handler.__func__ if type(handler) is _MethodType else handler
+        if type(function) is not _FunctionType:
+            return False
+        filename = function.__code__.co_filename
+        return self._library_file(filename) and filename.rpartition("/")[0].endswith("/asyncio")
+
     def _judge_module_change(self, event, module, name, value=None, frame=None):
         """A guarded module's attribute replaced or deleted (only an assignment the learner's code
         itself makes: a library may still wrap its own function, torch._dynamo does)."""
-        if id(module) not in self._module_ids or frame is None or self._grader_frame(frame.f_back):
+        name = _text(name)
+        if id(module) not in self._module_ids or name is None or frame is None or self._grader_frame(frame.f_back):
             return None
         namespace = vars(module)
+        module_name = self._module_names[id(module)]
         if event == "gclab.guard.delattr":
-            return f"deleting {module.__name__}.{name} (one of the grader's tools)" if name in namespace else None
+            return f"deleting {module_name}.{name} (one of the grader's tools)" if name in namespace else None
         if name == "__class__" or (name in namespace and namespace[name] is not value):
-            return f"replacing {module.__name__}.{name} (one of the grader's tools)"
+            return f"replacing {module_name}.{name} (one of the grader's tools)"
+        if name.startswith("__") and name.endswith("__"):
+            return f"adding {module_name}.{name} (it would change how the grader's tools are found)"
         return None
 
+    def _path(self, value):
+        """A path the hook was handed, as an exact str; None for anything else (the functions in C that
+        raise these events pass the path they were given already converted: shutil.rmtree passes the
+        learner's own object, and the calls it makes are judged one by one, with their paths converted)."""
+        text = _text(value)
+        if text is None and issubclass(type(value), bytes):
+            text = bytes.decode(bytes.__getitem__(value, slice(None)), _FILESYSTEM_ENCODING, "surrogateescape")
+        return text
+
     def _judge_file(self, event, args, frame):
-        path = args[0]
-        if isinstance(path, int) or path is None:
+        path = self._path(args[0])
+        if path is None:
             return None
         try:
-            real = self._realpath(self._fsdecode(path))
+            real = self._realpath(path)
         except (TypeError, ValueError):
             return None
-        inside = (real + os.sep).startswith(self.workdir)
+        inside = (real + "/").startswith(self.workdir)
         if self._memory_file(real) and self.learner_on_stack(frame):
             return f"opening {real} (a process's memory)"
-        writes = event != "open" or (isinstance(args[1], str) and any(c in args[1] for c in "wax+")) or (
-            args[1] is None and isinstance(args[2], int) and bool(args[2] & _WRITE_FLAGS))
-        device = real.startswith("/dev/") and not (real + os.sep).startswith(self._memory_folders)
+        mode = args[1] if len(args) > 1 else None
+        flags = args[2] if len(args) > 2 else None
+        writes = event != "open" or (type(mode) is str and any(c in mode for c in "wax+")) or (
+            mode is None and type(flags) is int and bool(flags & _WRITE_FLAGS))
+        device = real.startswith("/dev/") and not (real + "/").startswith(self._memory_folders)
         if writes and self.files and not inside and not device:
             if self.learner_on_stack(frame):
                 return f"writing {real} (outside the grading folder)"
-        elif (not inside and (real + os.sep).startswith(self.hidden) and not self._library_file(real)
-              and not (real + os.sep).startswith(self.gclab_dir) and self.learner_on_stack(frame)):
+        elif (not inside and (real + "/").startswith(self.hidden) and not self._library_file(real)
+              and not (real + "/").startswith(self.gclab_dir) and self.learner_on_stack(frame)):
             return f"reading {real} (the course's own files)"
         return None
 
     def _is_tool(self, target) -> bool:
-        if isinstance(target, types.ModuleType):
-            return target.__name__ in self._modules
-        code = getattr(target, "__code__", None)
-        return isinstance(code, types.CodeType) and (
-            self._library_file(code.co_filename) or id(code) in self._trusted_codes)
-
-    def _library_reads_frame(self, frame) -> bool:
-        """Library code that reads a frame for its own use (logging's caller lookup, traceback
-        formatting, namedtuple's module name) and hands no frame to the learner's code."""
-        if frame is None or not self._library_file(frame.f_code.co_filename):
-            return False
-        where = (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name)
-        if where not in _FRAME_RETURNING:
+        if id(target) in self._module_ids:
             return True
-        consumer = frame.f_back          # who gets the frames: a library, or the learner
-        return consumer is not None and self._library_reads_frame(consumer)
+        if type(target) is not _FunctionType:
+            return False
+        code = target.__code__
+        return self._library_file(code.co_filename) or id(code) in self._trusted_codes
+
+    def _tool_name(self, target) -> str:
+        if id(target) in self._module_ids:
+            return self._module_names[id(target)]
+        return _text(target.__qualname__) or "a function"
 
 
 def _same_tool(guard, what: str, now, was, getattr=getattr, isinstance=isinstance) -> bool:
@@ -414,9 +710,11 @@ class _LockedModule(types.ModuleType):
     as a submodule imported later, may be added)."""
 
     def __setattr__(self, name, value, audit=sys.audit):
+        name = _text(name) or name
         audit("gclab.guard.setattr", self, name, value)
         super().__setattr__(name, value)
 
     def __delattr__(self, name, audit=sys.audit):
+        name = _text(name) or name
         audit("gclab.guard.delattr", self, name)
         super().__delattr__(name)

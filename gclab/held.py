@@ -27,7 +27,7 @@ import torch
 from .cycles import instance_attributes
 from .memory import device_storage, format_bytes, storage_entry
 
-__all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "tensors_held"]
+__all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "graphs_held", "tensors_held"]
 
 # torch's C-level weak references to a storage: they keep no Python object alive
 _expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
@@ -196,6 +196,23 @@ class _Found:
     via_graph: bool     # saved by that tensor's autograd graph, not its own storage
 
 
+def _unseen_children(node, names: bool, seen: set, keep: list) -> list:
+    """`node`'s children (see `_children`) that the walk has not reached yet, now marked as reached
+    (and kept alive while ids are compared)."""
+    try:
+        children = _children(node, names)
+    except Exception:
+        return []
+    fresh = []
+    for piece, child in children:
+        if child is None or id(child) in seen or isinstance(child, _SKIPPED):
+            continue
+        seen.add(id(child))
+        keep.append(child)
+        fresh.append((piece, child))
+    return fresh
+
+
 def _walk(obj, name: str, names: bool, device=None, max_objects: int = 50_000) -> dict:
     """storage key -> (storage, _Found) for every tensor storage reachable from `obj` through
     attributes, containers, closures, exceptions with their frames and autograd graphs; each
@@ -213,15 +230,7 @@ def _walk(obj, name: str, names: bool, device=None, max_objects: int = 50_000) -
                 _credit(found, device, node, *where)
                 for kept in _graph_tensors(node):
                     _credit(found, device, kept, *where, via_graph=node)
-            try:
-                children = _children(node, names)
-            except Exception:
-                continue
-            for piece, child in children:
-                if child is None or id(child) in seen or isinstance(child, _SKIPPED):
-                    continue
-                seen.add(id(child))
-                keep.append(child)
+            for piece, child in _unseen_children(node, names, seen, keep):
                 child_path = path + piece
                 if group is None:                  # an attribute of the holder: a group
                     item = (child_path, child_path, None, None)
@@ -243,6 +252,35 @@ def tensors_held(obj, name: str = "it", device=None) -> list[str]:
     held = sorted((where for _, where in found.values()), key=lambda where: -where.nbytes)
     del found
     return [f"{where.entry}{where.root}, {where.root_what} ({format_bytes(where.nbytes)} of storage)" for where in held]
+
+
+def graphs_held(obj, name: str = "it", max_objects: int = 50_000) -> dict:
+    """path -> the number of nodes in its autograd graph, for every tensor with a graph that `obj`
+    keeps (through its attributes, containers, closures and exceptions, as `tensors_held` walks).
+    backward() frees what a graph saved, not its nodes: a graph that every step extends (a running
+    total, `total += loss`) grows on the heap, where no tensor meter sees it, but its node count does."""
+    sizes, seen, keep = {}, {id(obj)}, [obj]
+    queue = deque([(obj, name)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        while queue and len(seen) < max_objects:
+            node, path = queue.popleft()
+            if isinstance(node, torch.Tensor) and node.grad_fn is not None:
+                sizes[path] = _graph_size(node)
+            queue.extend((child, path + piece) for piece, child in _unseen_children(node, True, seen, keep))
+    return sizes
+
+
+def _graph_size(tensor, limit: int = 1_000_000) -> int:
+    seen, todo, walked = set(), [tensor.grad_fn], []
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        walked.append(node)                               # alive while ids are compared
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
 
 
 def _credit(found, device, tensor, path, group, entry, entry_obj, frame, via_graph=None):

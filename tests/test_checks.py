@@ -878,3 +878,30 @@ def test_memory_below_the_baseline_is_told_as_a_step_that_let_go_not_as_a_leak()
     text = report.explain()
     assert not report.ok and report.growth[0] == -2048, report.growth
     assert f"{format_bytes(2048)} below it after iteration 1" in text and "Something still refers" not in text, text
+
+
+class _Accumulates:
+    """A loop step that keeps `total += loss` (the graph grows), or only the latest loss (it does not)."""
+
+    def __init__(self, running: bool):
+        self.weight = torch.ones(4, requires_grad=True)
+        self.total, self.running = torch.zeros(()), running
+
+    def step(self, i):
+        loss = (self.weight * i).sum()
+        loss.backward()
+        self.total = self.total + loss if self.running else loss
+
+
+def test_a_graph_that_every_step_extends_is_caught_by_its_node_count():
+    with pytest.raises(AssertionError, match=r"loop\.total carries an autograd graph that grew from [\d,]+ to [\d,]+ "
+                                             r"nodes in 10 steps.*loss\.item\(\)"):
+        loop = _Accumulates(running=True)
+        loop.step(0)
+        checks.assert_graphs_do_not_grow(loop.step, loop, "loop", start=1)
+
+
+def test_a_graph_replaced_every_step_is_not_growth():
+    loop = _Accumulates(running=False)
+    loop.step(0)
+    checks.assert_graphs_do_not_grow(loop.step, loop, "loop", start=1)

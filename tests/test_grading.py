@@ -112,6 +112,11 @@ def writes_passed_with(token: str, indent: str) -> str:
     return textwrap.indent("for fd in range(3, 64):\n    try:\n        for t in ('test_double', 'test_zero'):\n"
                            f"            os.write(fd, (json.dumps({{'token': {token}, 'event': 'result', 'test': t, "
                            "'status': 'passed'}) + '\\n').encode())\n    except OSError:\n        pass\n", indent)
+def walks_to_the_token(frame: str, indent: str) -> str:
+    """Lines that walk from `frame` down the stack to the verdict's `token` and write "passed" with it."""
+    return textwrap.indent(f"f = {frame}\nwhile f is not None and 'token' not in f.f_locals:\n    f = f.f_back\n"
+                           "if f is not None:\n    token = getattr(f.f_locals['token'], '_value', f.f_locals['token'])\n"
+                           + writes_passed_with("token", "    "), indent)
 REBINDS_CHECKS = ("import types\nlenient = types.SimpleNamespace(assert_untampered=lambda: None)\n"
                   "def double(x):\n    return 2 * x\n")
 IGNORES_INTERRUPTS = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass"
@@ -187,6 +192,21 @@ def hostile(course, tmp_path_factory):
         "looks_for_the_hidden_tests_in_the_stack": "import traceback\nseen = [repr(v) for f in "
         "traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True) for v in (f.locals or {}).values()]\n"
         "hidden = any(('double' + '(5)') in v for v in seen)\ndef double(x):\n    return 0 if hidden else 2 * x",
+        # a signal handler is called with the frame it interrupted: the verdict's, below the answer's
+        "signal_handler_reads_the_grader_frames": "import json, os, signal\ndef double(x):\n    return x + 1\n"
+        "def handler(number, frame):\n" + walks_to_the_token("frame", " " * 4)
+        + "signal.signal(signal.SIGALRM, handler)\nsignal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)",
+        # a library function that calls what it is given hands back the frame sys._getframe returns
+        "frames_through_singledispatch": "import functools, json, os, sys\ndef double(x):\n    return x + 1\n"
+        "def steal():\n" + walks_to_the_token("functools.singledispatch(sys._getframe)(0)", " " * 4) + "steal()",
+        # the guard's own names rebound through its module's __dict__ (listed, not refused) before reaching in
+        "rebinds_the_guards_own_names": "import gclab.guard, json, objgraph, os\nvars(gclab.guard)['_REACHING'] = frozenset()\n"
+        "jobs = [d for d in objgraph.by_type('dict') if 'tests' in d and 'workdir' in d]\n"
+        "def double(x):\n    return x + 1\n",
+        # the audit hook handed a path object: its __fspath__ must not run inside the hook, where no event is judged
+        "fspath_called_inside_the_hook": "import json, os, shutil, sys\ndef double(x):\n    return x + 1\n"
+        "class Path:\n    def __fspath__(self):\n" + walks_to_the_token("sys._getframe(0)", " " * 8)
+        + "        return 'nowhere'\nshutil.rmtree(Path(), ignore_errors=True)",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -213,7 +233,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "rebinds_a_tool_through_exec", "rebinds_a_tool_through_main_module",
            "forges_results_with_the_token_read_from_memory", "settrace_through_an_ipython_event",
            "settrace_through_a_finalizer", "grader_frames_through_a_finalizer", "token_found_with_objgraph",
-           "token_read_from_a_summary_of_the_stack"]
+           "token_read_from_a_summary_of_the_stack", "signal_handler_reads_the_grader_frames",
+           "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -245,7 +266,11 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("forges_results_with_the_token_read_from_memory", "(a process's memory)"),
     ("settrace_through_an_ipython_event", "sys.settrace (reaching into the grader's objects)"),
     ("settrace_through_a_finalizer", "sys.settrace (reaching into the grader's objects)"),
-    ("grader_frames_through_a_finalizer", "sys._getframe (reaching into the grader's objects)"),
+    ("grader_frames_through_a_finalizer", "sys._getframe (a frame of the grader's code, handed to the learner's)"),
+    ("signal_handler_reads_the_grader_frames", "signal.signal with a handler of the learner's own"),
+    ("frames_through_singledispatch", "sys._getframe by functools.py"),
+    ("rebinds_the_guards_own_names", "gc.get_objects (reaching into the grader's objects)"),
+    ("fspath_called_inside_the_hook", "sys._getframe"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),
@@ -281,8 +306,10 @@ def test_a_runaway_answer_cell_is_interrupted_and_the_tests_still_run(hostile):
 
 
 def test_no_summary_of_the_verdicts_frames_shows_a_hidden_test(hostile):
+    """A summary of the stack with each frame's locals is refused: the verdict's frames, and the hidden
+    test's own, are below the answer's."""
     result = hostile["results"]["looks_for_the_hidden_tests_in_the_stack"]
-    assert result.score == 2, grading.format_results([result])
+    assert result.score == 0 and "sys._getframe by traceback.py:walk_stack" in result.reason, grading.format_results([result])
 
 
 def test_a_python_warning_does_not_zero_a_test(hostile):

@@ -23,16 +23,19 @@ GRADER = textwrap.dedent('''
     print(json.dumps({"outcomes": outcomes, "problems": keeper.problems()}))
 ''')
 
-LEARNER = textwrap.dedent('''
-    import gc, os, subprocess, sys, types
-    import gclab.guard, gclab.memory
-
+# What the learner's code runs first: `attempt` records whether an action was allowed, or its refusal.
+ATTEMPT = textwrap.dedent('''
     def attempt(name, action):
         try:
             action()
             outcomes[name] = "allowed"
         except Exception as error:
             outcomes[name] = f"{type(error).__name__}: {error}"
+''')
+
+LEARNER = ATTEMPT + textwrap.dedent('''
+    import gc, os, subprocess, sys, types
+    import gclab.guard, gclab.memory
 
     outcomes["a handle on the installed guard"] = [n for n in ("current", "_current") if hasattr(gclab.guard, n)]
     mine = gclab.guard.install()                    # a guard of its own: its hook is refused
@@ -100,3 +103,134 @@ def test_devices_that_are_not_memory_may_still_be_written(attacked):
 ])
 def test_every_replacement_is_listed_by_the_installers_handle(attacked, replaced):
     assert f"{replaced} was replaced" in attacked["problems"]
+
+
+# Routes to a frame, or to code the hook does not judge, that once handed the learner's code the
+# verdict's frames (and with them the result channel's token); and what honest code does with the
+# same libraries, which stays allowed.
+ROUTES = ATTEMPT + textwrap.dedent('''
+    import functools, heapq, inspect, os, shutil, signal, sys, traceback, types
+    import gclab.guard
+
+    def caught():
+        try:
+            1 / 0
+        except ZeroDivisionError as error:
+            return error.__traceback__
+
+    class PathThatReadsFrames:
+        def __fspath__(self):
+            outcomes["fspath saw"] = repr(sys._getframe(0))
+            return workdir_file + ".gone"
+
+    class NamedByAStrOfItsOwn(str):
+        def __hash__(self):
+            outcomes["hashed inside the hook"] = repr(sys._getframe(0))
+            return str.__hash__(self)
+
+    def thread_pool_frames():
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(inspect.getinnerframes, caught()).result()
+
+    def fresh_signal_module():
+        import _imp
+        return _imp.create_builtin(types.SimpleNamespace(name="_signal", origin=None)).signal
+
+    def extension_from_the_grading_folder():
+        import importlib.machinery, importlib.util, _json
+        copy = os.path.join(os.path.dirname(workdir_file), os.path.basename(_json.__file__))
+        shutil.copy(_json.__file__, copy)
+        spec = importlib.util.spec_from_file_location("_json", copy)
+        return importlib.util.module_from_spec(spec)
+
+    attempt("a signal handler", lambda: signal.signal(signal.SIGUSR1, lambda number, frame: frame))
+    attempt("a fresh _signal module", fresh_signal_module)
+    attempt("an extension module from the grading folder", extension_from_the_grading_folder)
+    attempt("sys._getframe through singledispatch", lambda: functools.singledispatch(sys._getframe)(0))
+    attempt("currentframe through a mock", lambda: __import__("unittest.mock").mock.Mock(side_effect=inspect.currentframe)())
+    attempt("walk_tb through heapq.merge", lambda: list(heapq.merge(traceback.walk_tb(caught()))))
+    attempt("getinnerframes in a thread pool", thread_pool_frames)
+    attempt("a logger's caller with its stack", lambda: __import__("logging").getLogger("x").warning("x", stack_info=True))
+    attempt("summary with captured locals", lambda: traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True))
+    attempt("code named as a frozen module", lambda: eval(compile("sys._getframe(0)", "<frozen importlib._bootstrap>", "eval")))
+    attempt("code named by a relative path into the libraries",
+            lambda: eval(compile("sys._getframe(0)", "../" * 12 + os.__file__.lstrip("/"), "eval")))
+    attempt("a path whose __fspath__ the hook would call", lambda: shutil.rmtree(PathThatReadsFrames(), ignore_errors=True))
+    attempt("code named by a str of its own", lambda: eval(compile("sys._getframe(0)", NamedByAStrOfItsOwn("<mine>"), "eval")))
+    vars(gclab.guard)["_REACHING"] = frozenset()
+    vars(gclab.guard)["_FRAME_EVENTS"] = frozenset()
+    import builtins
+    real_type = builtins.type
+    vars(builtins)["type"] = lambda *args: str
+    attempt("the guard's own names rebound", lambda: sys._getframe(0))
+    vars(builtins)["type"] = real_type
+''')
+HONEST = textwrap.dedent('''
+    import asyncio, collections, enum, logging, traceback, warnings
+    import numpy, typing_extensions
+    import sympy.multipledispatch
+
+    class Dispatching:
+        @sympy.multipledispatch.dispatch(int)
+        def twice(self, x):
+            return 2 * x
+
+    async def answer():
+        return 42
+
+    def library_uses():
+        collections.namedtuple("Point", "x y")
+        enum.Enum("Colour", "RED GREEN")
+        typing_extensions.TypeVar("T", default=int)
+        logging.getLogger("honest").warning("a warning through logging")
+        warnings.warn("a warning")
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            traceback.format_exc()
+        traceback.clear_frames(caught())
+        numpy.r_["0,2", [1, 2], [3, 4]]
+        asyncio.run(answer())
+
+    attempt("libraries that read frames for their own use", library_uses)
+''')
+
+
+@pytest.fixture(scope="module")
+def routes(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grading")
+    prelude = f"workdir_file = {str(workdir / 'learner.py')!r}\n"
+    (workdir / "learner.py").write_text(prelude + ROUTES + HONEST)
+    done = subprocess.run([sys.executable, "-c", GRADER, str(workdir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("route, refusal", [
+    ("a signal handler", "signal.signal with a handler of the learner's own"),
+    ("a fresh _signal module", "_imp.create_builtin of _signal"),
+    ("an extension module from the grading folder", "_imp.create_dynamic of _json"),
+    ("sys._getframe through singledispatch", "sys._getframe by functools.py"),
+    ("currentframe through a mock", "sys._getframe by inspect.py:currentframe"),
+    ("walk_tb through heapq.merge", "reading traceback.tb_frame by traceback.py:walk_tb"),
+    ("getinnerframes in a thread pool", "reading traceback.tb_frame by inspect.py"),
+    ("summary with captured locals", "sys._getframe by traceback.py:walk_stack"),
+    ("a logger's caller with its stack", "sys._getframe by logging/__init__.py:<lambda> for logging/__init__.py:findCaller"),
+    ("code named as a frozen module", "compile of code that claims to be <frozen importlib._bootstrap>"),
+    ("code named by a relative path into the libraries", "sys._getframe"),
+    ("the guard's own names rebound", "sys._getframe"),
+])
+def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
+    assert refusal in routes["outcomes"][route], routes["outcomes"][route]
+
+
+def test_the_hook_runs_none_of_the_learners_code(routes):
+    """Whatever the hook is handed (a path object, a code object's name), it calls no method of it:
+    code run inside the hook raises no event the hook would judge."""
+    assert "fspath saw" not in routes["outcomes"] and "hashed inside the hook" not in routes["outcomes"]
+    assert routes["outcomes"]["code named by a str of its own"] != "allowed"
+
+
+def test_libraries_that_read_frames_for_their_own_use_still_work(routes):
+    assert routes["outcomes"]["libraries that read frames for their own use"] == "allowed"

@@ -55,6 +55,12 @@ def trainer(last_output="output.detach()", error="error.with_traceback(None)", b
     return TRAINER.format(last_output=last_output, error=error, backward=backward, keep=keep, extra=extra, returned=returned)
 
 
+def running_total(extra):
+    return trainer(extra=extra).replace("        self.last_output = None\n",
+                                        "        self.last_output = None\n"
+                                        "        self.running_loss = torch.zeros((), device=DEVICE)\n")
+
+
 def leaky(extra="pass"):
     return trainer(last_output="output", error="error", keep=KEEP_TENSORS, extra=extra, returned="loss")
 
@@ -79,6 +85,10 @@ WRONG = {
     "keeps_detached_tensors": trainer(keep='self.history.append(loss.detach())\n        self.metrics.append('
                                            '{"step": step, "loss": loss.detach(), "grad_norm": grad_norm.detach()})'),
     "patches_the_grader": leaky() + "\nchecks.assert_flat = lambda report: None\n",
+    # the lesson's own anti-pattern, a running total of the loss tensors, for the dashboard: each step's graph
+    # is linked to the total; backward() frees what it saved, so only the heap grows (a few hundred bytes a step)
+    "keeps_a_running_total_of_the_loss": running_total("self.running_loss += loss"),
+    "sums_the_loss_every_other_step": running_total("if step % 2 == 0:\n            self.running_loss += loss"),
     # behaving only while watched: every leak fixed, unless the collector is on or nbgrader is not running it
     "leaks_unless_collector_off_or_under_nbgrader": trainer(
         last_output=f"output if {WATCHED_CONDITION} else output.detach()",
@@ -194,6 +204,10 @@ def test_wrong_fixes_are_told_why(graded):
     for test in graded["detaches_before_backward"].tests:      # told, not crashed
         assert test.status == "failed" and "RuntimeError" in test.message, test
     assert "modifies the grader" in graded["patches_the_grader"].reason
+    for name in ("keeps_a_running_total_of_the_loss", "sums_the_loss_every_other_step"):
+        grown = message(name, "test_memory_flat")
+        assert re.search(r"trainer\.running_loss carries an autograd graph that grew from [\d,]+ to [\d,]+ nodes in 10 steps",
+                         grown) and "loss.item()" in grown, grown
     emptied = message("keeps_errors_with_their_frames_emptied", "test_memory_flat")
     assert re.search(r"keeps \d+ error\(s\) with a traceback", emptied) and "with_traceback(None)" in emptied, emptied
 
