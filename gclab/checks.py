@@ -544,8 +544,12 @@ def assert_graphs_do_not_grow(step, holder, holder_name: str, iterations: int = 
     keeps a few hundred bytes of nodes per step on the heap after backward() freed what it saved: the
     tensor meter sees nothing, the node count does."""
     before = graphs_held(holder, holder_name)
-    for i in range(start, start + iterations):
-        step(i)
+    for done, i in enumerate(range(start, start + iterations)):
+        try:
+            step(i)
+        except Exception as error:       # said, as run_flat_check says it
+            raise AssertionError(f"the step raised {type(error).__name__}: {error} (after {done} of "
+                                 f"{iterations} steps)") from None
     after = graphs_held(holder, holder_name)
     grown = [(path, before[path], size) for path, size in after.items() if size > before.get(path, size)]
     assert not grown, "; ".join(

@@ -50,14 +50,19 @@ import sysconfig
 import threading
 import types
 
-__all__ = ["Guard", "install", "starting_environment"]
+__all__ = ["Guard", "install", "sealed", "starting_environment"]
 
 GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "posixpath", "torch", "torch.cuda",
-                   "numpy")
+                   "numpy") + (
+    # the libraries whose Python classes gclab's tools and the verdict run (a context manager's
+    # __exit__ that returned True would swallow a check's AssertionError): their classes' members too
+    LIBRARY_CLASSES := ("contextlib", "collections", "threading", "warnings", "traceback", "linecache", "inspect",
+                        "copy", "dataclasses", "functools", "json", "json.encoder", "io", "torch.utils._python_dispatch"))
 # frozen: the hook reads them at every event, and a learner could reach a mutable set
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 _FRAME_HOLDERS = (types.TracebackType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 _TracebackType, _FrameType, _FunctionType, _MethodType = types.TracebackType, types.FrameType, types.FunctionType, types.MethodType
+_CodeType, _ModuleType = types.CodeType, types.ModuleType
 _BuiltinFunctionType, _SimpleNamespace, _partial = types.BuiltinFunctionType, types.SimpleNamespace, functools.partial
 _FILESYSTEM_ENCODING = sys.getfilesystemencoding()
 # A frame leads to every frame below it (f_back is never audited), the verdict's own included, so a
@@ -67,8 +72,12 @@ _FILESYSTEM_ENCODING = sys.getfilesystemencoding()
 _FRAME_PASSING = frozenset({("inspect.py", "currentframe"), ("inspect.py", "stack"), ("inspect.py", "trace"),
                             ("inspect.py", "getouterframes"), ("inspect.py", "getinnerframes"),
                             ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
-                            ("traceback.py", "_walk_tb_with_full_positions"), ("logging/__init__.py", "<lambda>"),
+                            ("traceback.py", "_walk_tb_with_full_positions"), ("traceback.py", "extended_frame_gen"),
+                            ("logging/__init__.py", "<lambda>"),
                             ("base_tasks.py", "_task_get_stack")})
+# ... of which those that hand each frame, and the frames below it, to a helper of their module
+_FRAME_PASSING_ON = frozenset({("inspect.py", "stack"), ("inspect.py", "trace"), ("inspect.py", "getouterframes"),
+                               ("inspect.py", "getinnerframes")})
 # The library functions known to read a frame for their own use and to hand back nothing of it but
 # names and lines (a summary of a traceback, a warning's module, a logger's caller), and to hand the
 # frame itself to no function the learner's code could have rebound (traceback.extract_stack passes it
@@ -93,6 +102,14 @@ _FRAME_LOCALS_READERS = frozenset({("interactiveshell.py", "var_expand"), ("inte
                                    ("interactiveshell.py", "push"), ("magic.py", "magic_deco"), ("six.py", "exec_")})
 _CALLER_LOCALS_READERS = frozenset({("_index_tricks_impl.py", "__getitem__"), ("defmatrix.py", "bmat"),
                                     ("core.py", "_"), ("core.py", "_df")})
+# Where the import system runs a module's code: a library module being imported may read the frames
+# of its own import (a decorator in a class body reading the class's namespace, torch.fx.wrap at a
+# module's top level), however deep in a lazy import the learner's call set off (torch imports
+# torch._dynamo, sympy and hundreds more the first time an optimizer is made).
+_IMPORTING = ("<frozen importlib._bootstrap>", "_call_with_frames_removed")
+_EXECUTING_A_MODULE = ("<frozen importlib._bootstrap_external>", "exec_module")
+_COMPILING_BYTECODE = ("<frozen importlib._bootstrap_external>", "_compile_bytecode")
+_GETTING_CODE = ("<frozen importlib._bootstrap_external>", "get_code")
 _FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
 # What reaches past the caller (objects handed back, a hook installed for every later call, memory, code
 # made up): allowed only where gclab's own code or the grader's makes the call, directly or through
@@ -109,13 +126,15 @@ _REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents",
 # the original.  A signal handler is called with the interrupted frame; a fresh _signal or _imp module
 # (from _imp.create_builtin) would hold the originals again; an extension module loaded from the
 # grading folder is machine code; torch's frame-evaluation hooks see every frame that starts.
-_GATED = (("_signal", "signal"), ("_imp", "create_builtin"), ("_imp", "create_dynamic"),
+_GATED = (("_signal", "signal"), ("_imp", "create_builtin"), ("_imp", "create_dynamic"), ("_imp", "_fix_co_filename"),
           ("torch._C._dynamo.eval_frame", "set_eval_frame"),
           ("torch._C._dynamo.eval_frame", "set_bytecode_debugger_callback"),
           ("torch._C._dynamo.eval_frame", "set_guard_error_hook"),
           ("torch._C._dynamo.eval_frame", "set_guard_complete_hook"))
 _GATE_EVENT = "gclab.guard.gate"
 _BUILTINS_HOLDING_GATES = frozenset({"_signal", "_imp"})
+# CPython's own test extensions (in the standard library's folder): C functions that poke at the interpreter
+_TEST_EXTENSIONS = ("_test", "_ctypes_test", "_xxtestfuzz", "_xxsubinterpreters", "xxsubtype", "xxlimited")
 # Library code that calls back what it was handed, with none of the learner's frames on the stack:
 # a call made from one of these is the learner's doing.
 _CALLING_BACK = frozenset({("weakref.py", "__call__"), ("events.py", "trigger"), ("events.py", "_run"),
@@ -163,17 +182,28 @@ def install(workdir=None, processes: bool = False, files: bool = True, hidden=()
     private = _private_namespace()
     sealed = type(Guard.__name__, (Guard,), {name: _bound_to(member, private) for name, member in vars(Guard).items()
                                              if name not in ("__dict__", "__weakref__")})
-    originals = _take_gated()          # before the manifest, which then lists the gates as the tools
+    originals = _gated_originals()
     guard = sealed(workdir or os.getcwd(), processes, files, hidden)
     guard._arm(originals)
+    _install_gates(originals)          # after the hook, which calls the originals (imports use _imp's)
+    guard._take_stock()                # the manifest and the modules' globals, gates included
     return guard
 
 
-def _private_namespace() -> dict:
-    private = dict(globals())
+def sealed(function):
+    """`function` looking its global names up in a private copy, taken now, of its module's globals
+    (the module's functions copied likewise) and of the builtins: what code run afterwards rebinds
+    through the module's __dict__ or builtins' (listed by `Guard.problems()`, not refused) changes
+    nothing it does.  Call it before the learner's code runs."""
+    return _bound_to(function, _private_namespace(function.__globals__))
+
+
+def _private_namespace(source: dict | None = None) -> dict:
+    source = globals() if source is None else source
+    private = dict(source)
     private["__builtins__"] = dict(vars(builtins))
     for name, value in list(private.items()):
-        if type(value) is types.FunctionType and value.__globals__ is globals():
+        if type(value) is types.FunctionType and value.__globals__ is source:
             private[name] = _bound_to(value, private)
     return private
 
@@ -216,9 +246,9 @@ def _resolve(path: str, open=os.open, readlink=os.readlink, close=os.close, getc
         return real if not rest else real.rstrip("/") + "/" + rest
 
 
-def _take_gated() -> dict:
-    """Replace each gated function (`_GATED`) by one that asks the guard; the originals, for the hook
-    alone.  Empty for the functions another guard of this process already took: its hook calls them."""
+def _gated_originals() -> dict:
+    """The gated functions (`_GATED`) still in place, by name: the originals, for the hook alone.
+    Empty for those another guard of this process already took: its hook calls them."""
     originals = {}
     for module_name, name in _GATED:
         module = sys.modules.get(module_name)
@@ -228,10 +258,15 @@ def _take_gated() -> dict:
             module = __import__(module_name)
         function = vars(module).get(name)
         if isinstance(function, types.BuiltinFunctionType):
-            key = f"{module_name}.{name}"
-            originals[key] = function
-            object.__setattr__(module, name, _gate(key))
+            originals[f"{module_name}.{name}"] = function
     return originals
+
+
+def _install_gates(originals: dict) -> None:
+    """Replace each of `originals` by a function that asks the guard."""
+    for key in originals:
+        module_name, _, name = key.rpartition(".")
+        object.__setattr__(sys.modules[module_name], name, _gate(key))
 
 
 def _gate(key: str):
@@ -254,7 +289,8 @@ def _module_spec(spec, file=None):
 # How each gated function's arguments are made plain (exact types, read once) before the hook sees them:
 # the hook never calls a method of the learner's objects.
 _GATE_ARGUMENTS = {"_signal.signal": lambda signalnum, handler: (operator.index(signalnum), handler),
-                   "_imp.create_builtin": _module_spec, "_imp.create_dynamic": _module_spec}
+                   "_imp.create_builtin": _module_spec, "_imp.create_dynamic": _module_spec,
+                   "_imp._fix_co_filename": lambda code, path: (code, _text(path))}
 
 
 def _as_given(*args):
@@ -304,7 +340,14 @@ class Guard:
         # learner's code can rebind through a module's __dict__ (that would be listed, not prevented)
         self._same_tool, self._read, self._realpath = _same_tool, _read, _resolve
         self._memory_file, self._memory_folders = _MEMORY_FILES.fullmatch, _MEMORY_FOLDERS
+        self._take_stock()
+
+    def _take_stock(self) -> None:
+        """The manifest of the tools, and every imported module's globals as they are now (before any
+        learner code: see `_unchanged`)."""
         self._manifest = self._take_manifest()
+        self._snapshots = {id(vars(module)): (vars(module), dict(vars(module)))
+                           for module in list(sys.modules.values()) if isinstance(module, types.ModuleType)}
 
     # -- what the grader's tools are -------------------------------------------------------
     @staticmethod
@@ -321,10 +364,10 @@ class Guard:
             for attr, value in list(namespace.items()):
                 if name == "sys" and attr not in ("modules", "audit", "addaudithook", "_getframe", "exit"):
                     continue            # sys holds streams and settings ordinary code changes
-                if name == "os" and attr != "environ" and not callable(value):
-                    continue
+                if (name == "os" and attr != "environ" or name in LIBRARY_CLASSES) and not callable(value):
+                    continue            # settings and state its own code rebinds (warnings.filters)
                 entries.append((f"{name}.{attr}", lambda ns=namespace, a=attr: ns.get(a, _MISSING), value))
-                if name.startswith("gclab") and getattr(value, "__module__", None) == name:
+                if (name.startswith("gclab") or name in LIBRARY_CLASSES) and getattr(value, "__module__", None) == name:
                     entries += self._definition(f"{name}.{attr}", value)
         torch = self._modules.get("torch")
         if torch is not None:
@@ -446,8 +489,12 @@ class Guard:
         """Does the library code that read `frame` (from `reader` down, through functions that pass frames
         on) keep it to itself: a summary of names and lines, or the locals of the learner's own frame?"""
         while reader is not None and self._where(reader) in _FRAME_PASSING:
+            if self._where(reader) in _FRAME_PASSING_ON or not self._unchanged(reader):
+                return False
             reader = reader.f_back
-        where = reader and self._where(reader)
+        if reader is None or not self._unchanged(reader):
+            return False
+        where = self._where(reader)
         if where in _FRAME_SUMMARIES:
             for function, local in _FRAME_SUMMARY_CONDITIONS:
                 if where[1] == function:
@@ -459,6 +506,59 @@ class Guard:
         elif where not in _FRAME_LOCALS_READERS:
             return False
         return frame is not None and not self._grader_own(frame)
+
+    def _unchanged(self, frame) -> bool:
+        """Does library code run with its own module's globals, and are the names its code uses, in
+        those globals and in the modules they name, what they were when the guard was installed?  A
+        helper rebound through a module's __dict__ (linecache.lazycache, logging._is_internal_frame)
+        would be handed what the code reads; a copy of the code run with other globals would be too."""
+        live = frame.f_globals
+        taken = self._snapshots.get(id(live))
+        if taken is None or taken[0] is not live:
+            return False
+        names = frame.f_code.co_names
+        pairs = [(live, taken[1])]
+        for name in names:
+            value = taken[1].get(name, _MISSING)
+            if isinstance(value, _ModuleType):
+                module_taken = self._snapshots.get(id(vars(value)))
+                if module_taken is not None:
+                    pairs.append(module_taken)
+        for now, then in pairs:
+            for name in names:
+                was = then.get(name, _MISSING)
+                if was is not _MISSING and now.get(name, _MISSING) is not was:
+                    return False
+        return True
+
+    def _read_while_importing(self, reader, read) -> bool:
+        """Is `read` a frame of a library module's import, read by that import's own code, and kept by it:
+        through no function that hands the frames below to a helper (inspect.stack), and, for a module
+        imported before the guard, with its names as they were?"""
+        chain = self._importing(reader)
+        if not any(frame is read for frame in chain):
+            return False
+        for frame in chain:
+            where = self._where(frame)
+            if where in _FRAME_PASSING_ON or (id(frame.f_globals) in self._snapshots and not self._unchanged(frame)):
+                return False
+            if where not in _FRAME_PASSING:
+                return True
+        return False
+
+    def _importing(self, frame) -> list:
+        """The frames from `frame` down to the import system when they are all library code run by the
+        import of a library module (none calling back); [] otherwise."""
+        frames = []
+        while frame is not None:
+            where = self._where(frame)
+            if where is None or where in _CALLING_BACK:
+                return []
+            if where == _IMPORTING:
+                return frames
+            frames.append(frame)
+            frame = frame.f_back
+        return []
 
     def learner_on_stack(self, frame) -> bool:
         while frame is not None:
@@ -512,9 +612,13 @@ class Guard:
         if event == "object.__setattr__":
             if self._is_tool(args[0]) and self.learner_on_stack(frame):
                 return f"setting {self._tool_name(args[0])}.{_text(args[1])}"
+            if (len(args) > 2 and _text(args[1]) == "__code__" and self._code_of_the_grader(args[2], libraries=True)
+                    and self.learner_on_stack(frame)):
+                return "setting a function's __code__ to library or grader code (it would run with the notebook's globals)"
             return None
         if event == "exec":
-            if id(args[0]) in self._trusted_codes and self.learner_on_stack(frame):
+            if (self._code_of_the_grader(args[0], libraries=False) and self.learner_on_stack(frame)
+                    and not self._module_being_imported(frame)):
                 return "running the grader's code with the learner's globals"
             return None
         if event in ("compile", "code.__new__"):
@@ -545,7 +649,8 @@ class Guard:
         else:
             read = args[0] if args and type(args[0]) is _FrameType else None
             what = event
-        if self._made_for_the_grader(frame) or self._frame_kept_to_itself(frame, read):
+        if (self._made_for_the_grader(frame) or self._frame_kept_to_itself(frame, read)
+                or self._read_while_importing(frame, read)):
             return None
         return f"{what}{self._handed_to(frame)} (a frame of the grader's code, handed to the learner's)"
 
@@ -566,13 +671,29 @@ class Guard:
         by = f" by {names[0]}" if names and names[0] else ""
         return by + (f" for {names[1]}" if len(names) > 1 else "")
 
-    def _loads_library_bytecode(self, event, frame) -> bool:
-        """marshal.loads by the import system, of a library module's cached bytecode."""
-        if not event.startswith("marshal.") or frame is None or self._where(frame) != (
-                "<frozen importlib._bootstrap_external>", "_compile_bytecode"):
+    def _code_of_the_grader(self, code, libraries: bool) -> bool:
+        """Is `code` the grader's (code it compiled, gclab's) or, with `libraries`, any library's?"""
+        if type(code) is not _CodeType:
             return False
-        path = frame.f_locals.get("bytecode_path")
-        return type(path) is str and self._library_file(path)
+        if id(code) in self._trusted_codes:
+            return True
+        filename = code.co_filename
+        return self._library_file(filename) if libraries else (
+            type(filename) is str and filename.startswith("/") and self._realpath(filename).startswith(self.gclab_dir))
+
+    def _module_being_imported(self, frame) -> bool:
+        """Is `frame` the import system running a module's code (exec_module), called by nothing else?"""
+        return (frame is not None and self._where(frame) == _IMPORTING
+                and frame.f_back is not None and self._where(frame.f_back) == _EXECUTING_A_MODULE)
+
+    def _loads_library_bytecode(self, event, frame) -> bool:
+        """marshal.loads by the import system loading a library module: _compile_bytecode called by a
+        loader's get_code, for a library file (called directly, it would take any bytes and any name)."""
+        if (not event.startswith("marshal.") or frame is None or self._where(frame) != _COMPILING_BYTECODE
+                or frame.f_back is None or self._where(frame.f_back) != _GETTING_CODE):
+            return False
+        paths = [frame.f_locals.get("bytecode_path"), frame.f_locals.get("source_path")]
+        return all(path is None or (type(path) is str and self._library_file(path)) for path in paths) and any(paths)
 
     def _judge_gate(self, args, frame):
         """A gated function (`_GATED`) called: allowed to the grader's own code; to the learner's, a signal
@@ -589,17 +710,27 @@ class Guard:
             if type(handler) is int or self._library_handler(handler):
                 return None
             return "signal.signal with a handler of the learner's own (a handler gets the frame it interrupted)"
+        if key == "_imp._fix_co_filename":
+            if self._loads_library_bytecode("marshal.loads", caller):
+                return None          # the import system naming a library's cached code after its source
+            return f"{key} (it would name the notebook's code after a library's file)"
         if key in ("_imp.create_builtin", "_imp.create_dynamic"):
             spec = call[0] if call else None
             name = spec.name if type(spec) is _SimpleNamespace else None
             if key == "_imp.create_builtin" and type(name) is str and name not in _BUILTINS_HOLDING_GATES:
                 return None
-            if key == "_imp.create_dynamic" and self._library_file(spec.origin):
+            if (key == "_imp.create_dynamic" and self._library_file(spec.origin) and type(name) is str
+                    and not name.rpartition(".")[2].startswith(_TEST_EXTENSIONS)):
                 return None
             return f"{key} of {name} (a module whose functions the guard keeps)"
         if all(value is None or value is False for value in call):
             return None
+        if self._importing(caller) and all(self._library_function(value) for value in call):
+            return None         # torch._dynamo.guards, imported, sets its own guard error hook
         return f"{key} (a hook that would see every frame)"
+
+    def _library_function(self, value) -> bool:
+        return type(value) is _FunctionType and self._library_file(value.__code__.co_filename)
 
     def _library_handler(self, handler) -> bool:
         """Python's own SIGINT handler, or asyncio's (asyncio.run installs one, through a partial)."""

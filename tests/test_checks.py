@@ -905,3 +905,11 @@ def test_a_graph_replaced_every_step_is_not_growth():
     loop = _Accumulates(running=False)
     loop.step(0)
     checks.assert_graphs_do_not_grow(loop.step, loop, "loop", start=1)
+
+
+def test_a_step_that_raises_is_told_as_a_failed_check():
+    def step(i):
+        raise RuntimeError("element 0 of tensors does not require grad")
+
+    with pytest.raises(AssertionError, match=r"the step raised RuntimeError: element 0 .* \(after 0 of 10 steps\)"):
+        checks.assert_graphs_do_not_grow(step, _Accumulates(running=False), "loop")

@@ -207,6 +207,16 @@ def hostile(course, tmp_path_factory):
         "fspath_called_inside_the_hook": "import json, os, shutil, sys\ndef double(x):\n    return x + 1\n"
         "class Path:\n    def __fspath__(self):\n" + walks_to_the_token("sys._getframe(0)", " " * 8)
         + "        return 'nowhere'\nshutil.rmtree(Path(), ignore_errors=True)",
+        # the verdict's own names and the libraries it used, rebound: json.dumps sees every result (and the token),
+        # contextlib's redirect_stdout could swallow a self-check's AssertionError, _run_test could say "passed"
+        "rewrites_results_in_json_dumps": "import json\n_dumps = json.dumps\n"
+        "def _passed(obj, *args, **kwargs):\n    if type(obj) is dict and obj.get('event') == 'result':\n"
+        "        obj = {**obj, 'status': 'passed', 'message': ''}\n    return _dumps(obj, *args, **kwargs)\n"
+        "json.dumps = _passed\ndef double(x):\n    return x + 1",
+        "swallows_failures_in_redirect_stdout": "import contextlib\n"
+        "contextlib._RedirectStream.__exit__ = lambda self, *exc: True\ndef double(x):\n    return x + 1",
+        "rebinds_the_verdicts_own_names": "import gclab.verdict\nvars(gclab.verdict)['_run_test'] = "
+        "lambda *args: {'status': 'passed', 'message': '', 'output': ''}\ndef double(x):\n    return x + 1",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -234,7 +244,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "forges_results_with_the_token_read_from_memory", "settrace_through_an_ipython_event",
            "settrace_through_a_finalizer", "grader_frames_through_a_finalizer", "token_found_with_objgraph",
            "token_read_from_a_summary_of_the_stack", "signal_handler_reads_the_grader_frames",
-           "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook"]
+           "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook",
+           "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -266,11 +277,12 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("forges_results_with_the_token_read_from_memory", "(a process's memory)"),
     ("settrace_through_an_ipython_event", "sys.settrace (reaching into the grader's objects)"),
     ("settrace_through_a_finalizer", "sys.settrace (reaching into the grader's objects)"),
-    ("grader_frames_through_a_finalizer", "sys._getframe (a frame of the grader's code, handed to the learner's)"),
+    ("grader_frames_through_a_finalizer", "sys._getframe by weakref.py:__call__"),
     ("signal_handler_reads_the_grader_frames", "signal.signal with a handler of the learner's own"),
     ("frames_through_singledispatch", "sys._getframe by functools.py"),
     ("rebinds_the_guards_own_names", "gc.get_objects (reaching into the grader's objects)"),
     ("fspath_called_inside_the_hook", "sys._getframe"),
+    ("rebinds_the_verdicts_own_names", "gclab.verdict._run_test was replaced"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

@@ -146,6 +146,7 @@ ROUTES = ATTEMPT + textwrap.dedent('''
 
     attempt("a signal handler", lambda: signal.signal(signal.SIGUSR1, lambda number, frame: frame))
     attempt("a fresh _signal module", fresh_signal_module)
+    attempt("CPython's test extensions", lambda: __import__("_testinternalcapi"))
     attempt("an extension module from the grading folder", extension_from_the_grading_folder)
     attempt("sys._getframe through singledispatch", lambda: functools.singledispatch(sys._getframe)(0))
     attempt("currentframe through a mock", lambda: __import__("unittest.mock").mock.Mock(side_effect=inspect.currentframe)())
@@ -169,12 +170,6 @@ ROUTES = ATTEMPT + textwrap.dedent('''
 HONEST = textwrap.dedent('''
     import asyncio, collections, enum, logging, traceback, warnings
     import numpy, typing_extensions
-    import sympy.multipledispatch
-
-    class Dispatching:
-        @sympy.multipledispatch.dispatch(int)
-        def twice(self, x):
-            return 2 * x
 
     async def answer():
         return 42
@@ -211,6 +206,7 @@ def routes(tmp_path_factory):
     ("a signal handler", "signal.signal with a handler of the learner's own"),
     ("a fresh _signal module", "_imp.create_builtin of _signal"),
     ("an extension module from the grading folder", "_imp.create_dynamic of _json"),
+    ("CPython's test extensions", "_imp.create_dynamic of _testinternalcapi"),
     ("sys._getframe through singledispatch", "sys._getframe by functools.py"),
     ("currentframe through a mock", "sys._getframe by inspect.py:currentframe"),
     ("walk_tb through heapq.merge", "reading traceback.tb_frame by traceback.py:walk_tb"),
@@ -234,3 +230,20 @@ def test_the_hook_runs_none_of_the_learners_code(routes):
 
 def test_libraries_that_read_frames_for_their_own_use_still_work(routes):
     assert routes["outcomes"]["libraries that read frames for their own use"] == "allowed"
+
+
+def test_a_library_imported_for_the_learner_may_read_the_frames_of_its_own_import(tmp_path):
+    """torch imports hundreds of modules the first time an optimizer is made; some read their own
+    import's frames (torch.fx.wrap at a module's top level, a dispatch decorator in a class body)."""
+    (tmp_path / "learner.py").write_text(ATTEMPT + textwrap.dedent('''
+        import sys
+        for name in [n for n in sys.modules if n.startswith(("torch.fx", "sympy"))]:
+            del sys.modules[name]
+        attempt("importing torch.fx and sympy again", lambda: __import__("torch.fx.experimental.symbolic_shapes"))
+        attempt("torch.fx.wrap from the learner's own code", lambda: __import__("torch").fx.wrap("len"))
+    '''))
+    done = subprocess.run([sys.executable, "-c", GRADER, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    outcomes = json.loads(done.stdout.splitlines()[-1])["outcomes"]
+    assert outcomes["importing torch.fx and sympy again"] == "allowed", outcomes
+    assert "sys._getframe by inspect.py:currentframe for _symbolic_trace.py:wrap" in outcomes[
+        "torch.fx.wrap from the learner's own code"], outcomes
