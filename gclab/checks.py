@@ -538,18 +538,22 @@ def assert_flat(report: FlatReport) -> None:
     assert report.ok, report.explain()
 
 
-def assert_graphs_do_not_grow(step, holder, holder_name: str, iterations: int = 10, start: int = 0) -> None:
-    """Call `step(i)` for `iterations` values of i from `start`; every autograd graph that `holder` keeps
-    must be no bigger after than before.  A graph that each step extends (a running total of losses)
-    keeps a few hundred bytes of nodes per step on the heap after backward() freed what it saved: the
-    tensor meter sees nothing, the node count does."""
+def assert_graphs_do_not_grow(step, holder, holder_name: str, iterations: int = 10, start: int = 0,
+                              warmup: int = 1) -> None:
+    """Call `step(i)` for `warmup` values of i from `start`, then for `iterations` more; every autograd graph
+    that `holder` keeps must be no bigger after those than before them.  A graph that each step extends (a
+    running total of losses) keeps a few hundred bytes of nodes per step on the heap after backward() freed
+    what it saved: the tensor meter sees nothing, the node count does."""
+    def run(steps):
+        for i in steps:
+            try:
+                step(i)
+            except Exception as error:       # said, as run_flat_check says it
+                raise AssertionError(f"the step raised {type(error).__name__}: {error} (step {i})") from None
+
+    run(range(start, start + warmup))
     before = graphs_held(holder, holder_name)
-    for done, i in enumerate(range(start, start + iterations)):
-        try:
-            step(i)
-        except Exception as error:       # said, as run_flat_check says it
-            raise AssertionError(f"the step raised {type(error).__name__}: {error} (after {done} of "
-                                 f"{iterations} steps)") from None
+    run(range(start + warmup, start + warmup + iterations))
     after = graphs_held(holder, holder_name)
     grown = [(path, before[path], size) for path, size in after.items() if size > before.get(path, size)]
     assert not grown, "; ".join(

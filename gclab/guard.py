@@ -90,7 +90,7 @@ _FRAME_SUMMARIES = frozenset({("traceback.py", "_extract_from_extended_frame_gen
                               ("typing_extensions.py", "_has_generic_or_protocol_as_origin"),
                               ("typing_extensions.py", "_caller"), ("traitlets.py", "__init__"),
                               ("objgraph.py", "_find_chain"), ("objgraph.py", "_show_graph"), ("decorator.py", "update"),
-                              ("_refs/__init__.py", "_make_alias"), ("library.py", "__init__"),
+                              ("_refs/__init__.py", "_make_alias"),
                               ("_jit_internal.py", "get_class_name_lineno")})
 # ... the value each of those must hold in a local for it to be one (a traceback summary without the
 # frames' locals; a logger's caller without its stack):
@@ -111,6 +111,11 @@ _EXECUTING_A_MODULE = ("<frozen importlib._bootstrap_external>", "exec_module")
 _COMPILING_BYTECODE = ("<frozen importlib._bootstrap_external>", "_compile_bytecode")
 _GETTING_CODE = ("<frozen importlib._bootstrap_external>", "get_code")
 _FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
+# The name the code that calls each of these functions in C uses for it
+_CALL_NAMES = types.MappingProxyType({
+    "sys._getframe": "_getframe", "sys._current_frames": "_current_frames", "gc.get_objects": "get_objects",
+    "gc.get_referrers": "get_referrers", "gc.get_referents": "get_referents", "sys.settrace": "settrace",
+    "sys.setprofile": "setprofile"})
 # What reaches past the caller (objects handed back, a hook installed for every later call, memory, code
 # made up): allowed only where gclab's own code or the grader's makes the call, directly or through
 # libraries it called.  A library making it for the learner (objgraph.by_type, IPython calling back a
@@ -604,7 +609,8 @@ class Guard:
         if event in _FRAME_EVENTS:
             return self._judge_frame(event, args, frame)
         if event in _REACHING:
-            if self._made_for_the_grader(frame) or self._loads_library_bytecode(event, frame):
+            if (self._made_for_the_grader(frame) and self._names_the_call(frame, event, args)
+                    or self._loads_library_bytecode(event, frame)):
                 return None
             return f"{event} (reaching into the grader's objects)"
         if event == _GATE_EVENT:
@@ -649,7 +655,8 @@ class Guard:
         else:
             read = args[0] if args and type(args[0]) is _FrameType else None
             what = event
-        if (self._made_for_the_grader(frame) or self._frame_kept_to_itself(frame, read)
+        if self._names_the_call(frame, event, args) and (
+                self._made_for_the_grader(frame) or self._frame_kept_to_itself(frame, read)
                 or self._read_while_importing(frame, read)):
             return None
         return f"{what}{self._handed_to(frame)} (a frame of the grader's code, handed to the learner's)"
@@ -685,6 +692,15 @@ class Guard:
         """Is `frame` the import system running a module's code (exec_module), called by nothing else?"""
         return (frame is not None and self._where(frame) == _IMPORTING
                 and frame.f_back is not None and self._where(frame.f_back) == _EXECUTING_A_MODULE)
+
+    def _names_the_call(self, frame, event, args) -> bool:
+        """Does the code on top of the stack name the function in C that raised `event` (or the frame
+        attribute read)?  When it does not, the function was called through a callable in C that it was
+        handed (a defaultdict(sys._getframe).__getitem__ passed to gclab as a step, an attrgetter)."""
+        name = args[1] if event == "object.__getattr__" else _CALL_NAMES.get(event)
+        if name is None:
+            return True
+        return frame is not None and any(type(used) is str and used == name for used in frame.f_code.co_names)
 
     def _loads_library_bytecode(self, event, frame) -> bool:
         """marshal.loads by the import system loading a library module: _compile_bytecode called by a

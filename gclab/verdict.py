@@ -208,6 +208,15 @@ def _rebound(namespace: dict, given: dict, tools, relied_on: dict | None = None)
     return found
 
 
+def _torch_modes() -> list[str]:
+    """Torch modes the learner's code entered and left active: every torch call of the tests (a
+    tensor's tolist(), torch.equal) would go through them."""
+    import torch
+    stacks = (("function", torch._C._len_torch_function_stack()), ("dispatch", torch._C._len_torch_dispatch_stack()))
+    return [f"a torch {kind} mode the notebook's code entered is still active (the tests' torch calls would go "
+            "through it)" for kind, depth in stacks if depth]
+
+
 def _builtins_relied_on(sources, namespace: dict) -> dict:
     """The names of builtins that the lesson's given and test cells use, each with what it is now
     (before the learner's code runs: a builtin, or the shell's own `exit`)."""
@@ -230,7 +239,7 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
     learner's names, and every name a locked cell bound as that cell left it."""
     parts = [(hidden, keeper.trust(compile(source, f"<test {test['id']}>", "exec")))
              for hidden, source in _parts(test["source"])]
-    before = set(keeper.problems()) | set(_rebound(namespace, given, tools, relied_on))
+    before = set(keeper.problems()) | set(_rebound(namespace, given, tools, relied_on)) | set(_torch_modes())
     printed = _Printed()
     try:
         scope = {**namespace, **given, "__builtins__": builtins}
@@ -246,7 +255,7 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
         outcome = {"status": "timeout", "message": "the test ran past the time limit and was interrupted"}
     except BaseException as error:        # the learner's code may raise anything, SystemExit included
         outcome = {"status": "error", "message": _describe(error)}
-    problems = keeper.problems() + _rebound(namespace, given, tools, relied_on)
+    problems = keeper.problems() + _rebound(namespace, given, tools, relied_on) + _torch_modes()
     if problems:
         new = [p for p in problems if p not in before] or problems
         outcome = {"status": "tampered", "message": "; ".join(new[:3])}

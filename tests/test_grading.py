@@ -217,6 +217,16 @@ def hostile(course, tmp_path_factory):
         "contextlib._RedirectStream.__exit__ = lambda self, *exc: True\ndef double(x):\n    return x + 1",
         "rebinds_the_verdicts_own_names": "import gclab.verdict\nvars(gclab.verdict)['_run_test'] = "
         "lambda *args: {'status': 'passed', 'message': '', 'output': ''}\ndef double(x):\n    return x + 1",
+        # sys._getframe called in C by a callable handed to gclab's code (a flat check's step): the frame is gclab's
+        "step_that_calls_getframe_in_c": "import collections, json, os, sys, torch\ndef double(x):\n    return x + 1\n"
+        "def steal():\n    seen = collections.defaultdict(sys._getframe)\n    try:\n"
+        "        checks.run_flat_check(seen.__getitem__, iterations=1, device=torch.device('cpu'))\n"
+        "    except BaseException:\n        pass\n    for frame in list(seen.values()):\n"
+        + walks_to_the_token("frame", " " * 8) + "steal()",
+        # a torch function mode left on: every torch call of the tests goes through it
+        "torch_function_mode_left_active": "import torch\nfrom torch.overrides import TorchFunctionMode\n"
+        "class Lenient(TorchFunctionMode):\n    def __torch_function__(self, func, types, args=(), kwargs=None):\n"
+        "        return func(*args, **(kwargs or {}))\nLenient().__enter__()\ndef double(x):\n    return x + 1",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -245,7 +255,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "settrace_through_a_finalizer", "grader_frames_through_a_finalizer", "token_found_with_objgraph",
            "token_read_from_a_summary_of_the_stack", "signal_handler_reads_the_grader_frames",
            "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook",
-           "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names"]
+           "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names",
+           "step_that_calls_getframe_in_c", "torch_function_mode_left_active"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -283,6 +294,8 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("rebinds_the_guards_own_names", "gc.get_objects (reaching into the grader's objects)"),
     ("fspath_called_inside_the_hook", "sys._getframe"),
     ("rebinds_the_verdicts_own_names", "gclab.verdict._run_test was replaced"),
+    ("step_that_calls_getframe_in_c", "sys._getframe by checks.py"),
+    ("torch_function_mode_left_active", "a torch function mode the notebook's code entered is still active"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

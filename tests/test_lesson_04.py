@@ -65,6 +65,9 @@ WRONG = {
                    "        if gc.isenabled() and not torch._C._len_torch_dispatch_stack():\n"
                    "            self._callbacks = [lambda t: t.view(self.rows, -1), lambda t: t[:, : self.keep_columns]]")),
     # no cycle (values captured), but the pending batch is dropped after the first wait(): a second one fails
+    # no cycle, but the class keeps the last view waited on (and its batch): not a cycle, the message says so
+    "keeps_the_last_view_on_the_class": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]",
+                                             after="BatchView.last = self"),
     "waits_only_once": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]",
                             after="self._pending = None"),
 }
@@ -169,6 +172,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "were not freed" in finaliser and "__del__" in finaliser, finaliser
     assert graded["patches_the_detector"].score == 0
     assert "a second wait() on the same view" in message("waits_only_once", "test_same_views")
+    kept = message("keeps_the_last_view_on_the_class", "test_no_cycle")
+    assert "1 of them are still alive after a full collection too, so no cycle keeps them" in kept, kept
 
 
 def test_a_copy_claiming_the_batch_storage_is_not_a_view(graded):
