@@ -173,7 +173,7 @@ def test_wrong_fixes_are_told_why(graded):
     assert graded["patches_the_detector"].score == 0
     assert "a second wait() on the same view" in message("waits_only_once", "test_same_views")
     kept = message("keeps_the_last_view_on_the_class", "test_no_cycle")
-    assert "1 of them are still alive after a full collection too, so no cycle keeps them" in kept, kept
+    assert "1 of them is still alive after a full collection too, so no cycle keeps them" in kept, kept
 
 
 def test_a_copy_claiming_the_batch_storage_is_not_a_view(graded):
