@@ -345,7 +345,7 @@ class Guard:
         # learner's code can rebind through a module's __dict__ (that would be listed, not prevented)
         self._same_tool, self._read, self._realpath = _same_tool, _read, _resolve
         self._memory_file, self._memory_folders = _MEMORY_FILES.fullmatch, _MEMORY_FOLDERS
-        self._take_stock()
+        self._manifest, self._snapshots = [], {}     # taken by install(), once the gates are in place
 
     def _take_stock(self) -> None:
         """The manifest of the tools, and every imported module's globals as they are now (before any
