@@ -74,7 +74,7 @@ _FRAME_PASSING = frozenset({("inspect.py", "currentframe"), ("inspect.py", "stac
                             ("traceback.py", "walk_stack"), ("traceback.py", "walk_tb"),
                             ("traceback.py", "_walk_tb_with_full_positions"), ("traceback.py", "extended_frame_gen"),
                             ("logging/__init__.py", "<lambda>"),
-                            ("base_tasks.py", "_task_get_stack")})
+                            ("asyncio/base_tasks.py", "_task_get_stack")})
 # ... of which those that hand each frame, and the frames below it, to a helper of their module
 _FRAME_PASSING_ON = frozenset({("inspect.py", "stack"), ("inspect.py", "trace"), ("inspect.py", "getouterframes"),
                                ("inspect.py", "getinnerframes")})
@@ -85,23 +85,23 @@ _FRAME_PASSING_ON = frozenset({("inspect.py", "stack"), ("inspect.py", "trace"),
 # read for any other function while the learner's code runs is refused.
 _FRAME_SUMMARIES = frozenset({("traceback.py", "_extract_from_extended_frame_gen"), ("traceback.py", "clear_frames"),
                               ("logging/__init__.py", "findCaller"), ("typing.py", "_caller"), ("enum.py", "_create_"),
-                              ("collections/__init__.py", "namedtuple"), ("_api/__init__.py", "warn_external"),
-                              ("magic.py", "parse_options"), ("coroutines.py", "_format_coroutine"),
+                              ("collections/__init__.py", "namedtuple"), ("matplotlib/_api/__init__.py", "warn_external"),
+                              ("IPython/core/magic.py", "parse_options"), ("asyncio/coroutines.py", "_format_coroutine"),
                               ("typing_extensions.py", "_has_generic_or_protocol_as_origin"),
-                              ("typing_extensions.py", "_caller"), ("traitlets.py", "__init__"),
+                              ("typing_extensions.py", "_caller"), ("traitlets/traitlets.py", "__init__"),
                               ("objgraph.py", "_find_chain"), ("objgraph.py", "_show_graph"), ("decorator.py", "update"),
-                              ("_refs/__init__.py", "_make_alias"),
-                              ("_jit_internal.py", "get_class_name_lineno")})
+                              ("torch/_refs/__init__.py", "_make_alias"),
+                              ("torch/_jit_internal.py", "get_class_name_lineno")})
 # ... the value each of those must hold in a local for it to be one (a traceback summary without the
 # frames' locals; a logger's caller without its stack):
 _FRAME_SUMMARY_CONDITIONS = (("_extract_from_extended_frame_gen", "capture_locals"), ("findCaller", "stack_info"))
 # ... and those that use the locals of the frame they read, or of its caller (IPython expanding {names} in
 # a magic's line, numpy's np.r_["..."] and bmat, a multiple-dispatch decorator in a class body): allowed
 # unless that frame is gclab's or the grader's.
-_FRAME_LOCALS_READERS = frozenset({("interactiveshell.py", "var_expand"), ("interactiveshell.py", "get_local_scope"),
-                                   ("interactiveshell.py", "push"), ("magic.py", "magic_deco"), ("six.py", "exec_")})
-_CALLER_LOCALS_READERS = frozenset({("_index_tricks_impl.py", "__getitem__"), ("defmatrix.py", "bmat"),
-                                    ("core.py", "_"), ("core.py", "_df")})
+_FRAME_LOCALS_READERS = frozenset({("IPython/core/interactiveshell.py", "var_expand"), ("IPython/core/interactiveshell.py", "get_local_scope"),
+                                   ("IPython/core/interactiveshell.py", "push"), ("IPython/core/magic.py", "magic_deco"), ("six.py", "exec_")})
+_CALLER_LOCALS_READERS = frozenset({("numpy/lib/_index_tricks_impl.py", "__getitem__"), ("numpy/matrixlib/defmatrix.py", "bmat"),
+                                    ("sympy/multipledispatch/core.py", "_"), ("torch/fx/experimental/unification/multipledispatch/core.py", "_df")})
 # Where the import system runs a module's code: a library module being imported may read the frames
 # of its own import (a decorator in a class body reading the class's namespace, torch.fx.wrap at a
 # module's top level), however deep in a lazy import the learner's call set off (torch imports
@@ -115,7 +115,7 @@ _FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
 _CALL_NAMES = types.MappingProxyType({
     "sys._getframe": "_getframe", "sys._current_frames": "_current_frames", "gc.get_objects": "get_objects",
     "gc.get_referrers": "get_referrers", "gc.get_referents": "get_referents", "sys.settrace": "settrace",
-    "sys.setprofile": "setprofile"})
+    "sys.setprofile": "setprofile", "marshal.loads": "loads", "marshal.load": "load", "function.__new__": "FunctionType"})
 # What reaches past the caller (objects handed back, a hook installed for every later call, memory, code
 # made up): allowed only where gclab's own code or the grader's makes the call, directly or through
 # libraries it called.  A library making it for the learner (objgraph.by_type, IPython calling back a
@@ -136,14 +136,16 @@ _GATED = (("_signal", "signal"), ("_imp", "create_builtin"), ("_imp", "create_dy
           ("torch._C._dynamo.eval_frame", "set_bytecode_debugger_callback"),
           ("torch._C._dynamo.eval_frame", "set_guard_error_hook"),
           ("torch._C._dynamo.eval_frame", "set_guard_complete_hook"))
+# Library signal handlers that ignore the frame they are handed (uvicorn's, installed while a server runs)
+_SIGNAL_HANDLERS = frozenset({("uvicorn/server.py", "handle_exit")})
 _GATE_EVENT = "gclab.guard.gate"
 _BUILTINS_HOLDING_GATES = frozenset({"_signal", "_imp"})
 # CPython's own test extensions (in the standard library's folder): C functions that poke at the interpreter
 _TEST_EXTENSIONS = ("_test", "_ctypes_test", "_xxtestfuzz", "_xxsubinterpreters", "xxsubtype", "xxlimited")
 # Library code that calls back what it was handed, with none of the learner's frames on the stack:
 # a call made from one of these is the learner's doing.
-_CALLING_BACK = frozenset({("weakref.py", "__call__"), ("events.py", "trigger"), ("events.py", "_run"),
-                           ("threading.py", "run"), ("thread.py", "run")})
+_CALLING_BACK = frozenset({("weakref.py", "__call__"), ("IPython/core/events.py", "trigger"), ("asyncio/events.py", "_run"),
+                           ("threading.py", "run"), ("concurrent/futures/thread.py", "run"), ("ipykernel/thread.py", "run")})
 # socket.sendmsg: how a request with file descriptors reaches a fork server (gclab.zygote)
 _PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
                              "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -334,6 +336,10 @@ class Guard:
         self._roots = _library_roots()
         self._trusted_codes: dict = {}
         self._file_trust: dict = {}
+        self._library_names: dict = {}
+        # gclab's files are named gclab/..., whether it is installed or a checkout
+        self._naming_roots = tuple(root for root in self._roots if root != self.gclab_dir) + (
+            os.path.dirname(self.gclab_dir[:-1]) + os.sep,)
         self._gclab_files: dict = {}
         self._busy = threading.local()
         self._modules = self._guarded_modules()
@@ -468,12 +474,26 @@ class Guard:
         return known
 
     def _where(self, frame):
-        """(file, function) of a library frame, the file as `_FRAME_PASSING` names it; None otherwise."""
+        """(file, function) of a library frame, the file named from its library's folder as the lists
+        above name it; None otherwise."""
         code = frame.f_code
         if not self._library_file(code.co_filename) or type(code.co_name) is not str:
             return None
-        folder, _, name = code.co_filename.rpartition("/")
-        return (f"{folder.rpartition('/')[2]}/{name}" if name == "__init__.py" else name), code.co_name
+        return self._library_name(code.co_filename), code.co_name
+
+    def _library_name(self, filename: str) -> str:
+        """A library file's path from the folder it was installed in (inspect.py, logging/__init__.py,
+        IPython/core/events.py, gclab/guard.py): exact, where a basename would let another package's
+        file of the same name (dask's core.py, torch's polyfill traceback.py) pass for it."""
+        name = self._library_names.get(filename)
+        if name is None:
+            name = filename                       # a frozen module's
+            if filename.startswith("/"):
+                real = self._realpath(filename)
+                root = max([root for root in self._naming_roots if real.startswith(root)], key=len, default="")
+                name = real[len(root):]
+            self._library_names[filename] = name
+        return name
 
     def _made_for_the_grader(self, frame) -> bool:
         """Is the call made by gclab's or the grader's own code, directly or through libraries it
@@ -712,15 +732,15 @@ class Guard:
         return all(path is None or (type(path) is str and self._library_file(path)) for path in paths) and any(paths)
 
     def _judge_gate(self, args, frame):
-        """A gated function (`_GATED`) called: allowed to the grader's own code; to the learner's, a signal
-        handler that is no callable of its own, no module that would hold the originals again, no
-        extension module from outside the libraries, and no frame-evaluation hook."""
+        """A gated function (`_GATED`) called: no signal handler but Python's and asyncio's, no module that
+        would hold the originals again, no extension module from outside the libraries, and no
+        frame-evaluation hook but those torch sets while it is imported."""
         if len(args) != 3 or type(args[0]) is not str or type(args[1]) is not tuple:
             return "gclab.guard.gate called with something else than what the gates send"
         key, call = args[0], args[1]
         caller = frame.f_back if frame is not None else None       # frame: the gate itself, in gclab
-        if self._made_for_the_grader(caller):
-            return None
+        # judged by what is asked, whoever asks: the grader's code needs none of what is refused here, and a
+        # callable in C handed to gclab's code (a defaultdict's factory) would call a gate with gclab on top
         if key == "_signal.signal":
             handler = call[1] if len(call) == 2 else None
             if type(handler) is int or self._library_handler(handler):
@@ -749,7 +769,8 @@ class Guard:
         return type(value) is _FunctionType and self._library_file(value.__code__.co_filename)
 
     def _library_handler(self, handler) -> bool:
-        """Python's own SIGINT handler, or asyncio's (asyncio.run installs one, through a partial)."""
+        """Python's own SIGINT handler, asyncio's (asyncio.run installs one, through a partial), or one of
+        `_SIGNAL_HANDLERS`: none of them hands the frame it is called with to anything."""
         if type(handler) is _partial:
             handler = handler.func
         if type(handler) is _BuiltinFunctionType:
@@ -758,7 +779,10 @@ class Guard:
         if type(function) is not _FunctionType:
             return False
         filename = function.__code__.co_filename
-        return self._library_file(filename) and filename.rpartition("/")[0].endswith("/asyncio")
+        if not self._library_file(filename):
+            return False
+        name = self._library_name(filename)
+        return name.startswith("asyncio/") or (name, function.__code__.co_name) in _SIGNAL_HANDLERS
 
     def _judge_module_change(self, event, module, name, value=None, frame=None):
         """A guarded module's attribute replaced or deleted (only an assignment the learner's code

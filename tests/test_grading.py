@@ -294,7 +294,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("rebinds_the_guards_own_names", "gc.get_objects (reaching into the grader's objects)"),
     ("fspath_called_inside_the_hook", "sys._getframe"),
     ("rebinds_the_verdicts_own_names", "gclab.verdict._run_test was replaced"),
-    ("step_that_calls_getframe_in_c", "sys._getframe by checks.py"),
+    ("step_that_calls_getframe_in_c", "sys._getframe by gclab/checks.py"),
     ("torch_function_mode_left_active", "a torch function mode the notebook's code entered is still active"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),

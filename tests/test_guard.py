@@ -4,9 +4,13 @@ makes is still listed by the installer's handle.
 
 A guard cannot be removed once installed, so the scenario runs in a fresh Python: the grader
 installs the guard, then runs "learner" code compiled from a file in the grading folder."""
+import importlib.util
+import inspect
 import json
+import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -145,6 +149,10 @@ ROUTES = ATTEMPT + textwrap.dedent('''
         return importlib.util.module_from_spec(spec)
 
     attempt("a signal handler", lambda: signal.signal(signal.SIGUSR1, lambda number, frame: frame))
+    import collections, gclab.checks, torch
+    attempt("a signal handler installed through gclab's code", lambda: gclab.checks.run_flat_check(
+        collections.defaultdict(functools.partial(signal.signal, signal.SIGUSR1, lambda number, frame: frame)).__getitem__,
+        iterations=1, device=torch.device("cpu")))
     attempt("a fresh _signal module", fresh_signal_module)
     attempt("CPython's test extensions", lambda: __import__("_testinternalcapi"))
     attempt("an extension module from the grading folder", extension_from_the_grading_folder)
@@ -221,6 +229,14 @@ def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
     assert refusal in routes["outcomes"][route], routes["outcomes"][route]
 
 
+def test_a_gate_judges_what_is_asked_whoever_asks(routes):
+    """A flat check's step that calls signal.signal in C (a defaultdict's factory): gclab's code is on top of
+    the stack, and the handler is still refused."""
+    outcome = routes["outcomes"]["a signal handler installed through gclab's code"]
+    assert outcome == "allowed", outcome          # run_flat_check reports what its step raised
+    assert any("signal.signal with a handler of the learner's own" in problem for problem in routes["problems"])
+
+
 def test_the_hook_runs_none_of_the_learners_code(routes):
     """Whatever the hook is handed (a path object, a code object's name), it calls no method of it:
     code run inside the hook raises no event the hook would judge."""
@@ -245,5 +261,25 @@ def test_a_library_imported_for_the_learner_may_read_the_frames_of_its_own_impor
     done = subprocess.run([sys.executable, "-c", GRADER, str(tmp_path)], capture_output=True, text=True, timeout=120)
     outcomes = json.loads(done.stdout.splitlines()[-1])["outcomes"]
     assert outcomes["importing torch.fx and sympy again"] == "allowed", outcomes
-    assert "sys._getframe by inspect.py:currentframe for _symbolic_trace.py:wrap" in outcomes[
+    assert "sys._getframe by inspect.py:currentframe for torch/fx/_symbolic_trace.py:wrap" in outcomes[
         "torch.fx.wrap from the learner's own code"], outcomes
+
+
+def test_library_functions_are_named_by_their_path_in_their_library(tmp_path):
+    """The guard's lists of library functions name each file from the folder its library is installed in,
+    so another package's file with the same basename (dask's core.py beside sympy's) is not taken for it;
+    and every file listed is, where its package is installed, a file of it with the function listed in it."""
+    from gclab import guard
+    keeper = guard.Guard(str(tmp_path), processes=False, files=False)
+    purelib = sysconfig.get_paths()["purelib"]
+    assert keeper._library_name(inspect.__file__) == "inspect.py"
+    assert keeper._library_name(os.path.join(purelib, "dask", "bag", "core.py")) == "dask/bag/core.py"
+    assert keeper._library_name(guard.__file__) == "gclab/guard.py"
+    listed = (guard._FRAME_PASSING | guard._FRAME_SUMMARIES | guard._FRAME_LOCALS_READERS
+              | guard._CALLER_LOCALS_READERS | guard._CALLING_BACK | guard._SIGNAL_HANDLERS)
+    for file, function in sorted(listed):
+        paths = [root + file for root in keeper._naming_roots if os.path.isfile(root + file)]
+        package = file.split("/")[0].removesuffix(".py")
+        assert paths or importlib.util.find_spec(package) is None, f"{file} is not a file of {package}"
+        if paths and function != "<lambda>":
+            assert any(f"def {function}(" in open(path).read() for path in paths), (file, function)

@@ -73,6 +73,33 @@ WRONG = {
                   "    def scale(x):\n        batch = _fitting(i, device)\n        return (x - batch.mean()) / batch.std()\n"
                   "    return scale\n",
     },
+    # the same copy and refit, each hidden from the hidden test by rewriting what it recorded: the functions the
+    # test swaps in for train_step and fitting_batch are the test's, and a function's __globals__ (which no audit
+    # event sees read) is the namespace the test runs in
+    "cheat_rewrites_the_hidden_tests_records": {
+        "jobs": RUN_JOB.format(
+            handle=("copy = FloatingPointError(str(e))\n"
+                    "        scope = getattr(train_step, '__globals__', {})\n"
+                    "        if '_raised' in scope:\n"
+                    "            scope['_raised'].append(copy)        # the test's record of what train_step raised"),
+            error="copy"),
+        "scaler": """
+_SEEN = []
+def make_scaler(i, device=DEVICE):
+    fitting_batch(i, device)
+    def scale(x):
+        scope = getattr(fitting_batch, "__globals__", {})
+        if "_fits" in scope:
+            _SEEN[:] = [scope]
+            scope["_NUMEL"] = 256 * 1024            # the size the test's own fitting_batch allocates
+        batch = fitting_batch(i, device)
+        for seen in _SEEN:
+            del seen.get("_fits", [])[1:]           # the test counts one fit
+            seen["_NUMEL"] = 1 << 62                # and any allocation of a call looks small next to that
+        return (x - batch.mean()) / batch.std()
+    return scale
+""",
+    },
     # each batch copied into a slot of a tensor made beforehand: no new memory for the meter, yet
     # every scaler keeps its batch (a view of the slot), as the leaky one did
     "keeps_its_batch_in_a_reserved_slot": {
@@ -334,6 +361,17 @@ def test_values_equal_to_anything_earn_no_points(graded):
 
 def test_a_copy_of_the_error_and_a_scaler_that_refits_are_told_why(graded):
     result = graded["keeps_a_copy_and_refits_on_every_call"]
+    assert_told_why(result, "test_job_reports", "does not hold the exception train_step raised")
+    assert_told_why(result, "test_scaler_results", "refitting on every call is not the same scaler")
+
+
+def test_rewriting_what_the_hidden_tests_recorded_gains_nothing(graded):
+    """The functions the hidden tests swap in for train_step and fitting_batch lead to no namespace of the
+    test (a function's __globals__ is writable, and no audit event sees it read): a copied exception and a
+    scaler that refits, each hidden by rewriting through them what the test recorded, keep their honest
+    6/10 (they had 10/10)."""
+    result = graded["cheat_rewrites_the_hidden_tests_records"]
+    assert result.score == 6 and not result.reason, grading.format_results([result])
     assert_told_why(result, "test_job_reports", "does not hold the exception train_step raised")
     assert_told_why(result, "test_scaler_results", "refitting on every call is not the same scaler")
 

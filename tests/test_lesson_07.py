@@ -296,6 +296,40 @@ SHARED_BY_EVERY_CACHE = reference().replace(
     "class ModelCache:\n",
     "class ModelCache:\n    _live = weakref.WeakValueDictionary()\n    _recent = collections.OrderedDict()\n")
 
+# Dead entries kept, and the hidden test's count of Python objects rewritten by the cache: the loader a
+# hidden test hands the cache is a function of the test, whose __globals__ (which no audit event sees) is the
+# namespace the test runs in, so its `_sys` can be swapped for a stand-in that finds nothing kept
+CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS = DEAD_REFS_NEVER_REMOVED.replace(
+    "    def get(self, name):\n",
+    "    def get(self, name):\n        _rewrite(self.loader)\n") + '''
+import types as _T
+
+def _scopes(loader):
+    """The namespaces a callable leads to: its globals, and what its closure and defaults hold."""
+    scopes = [getattr(loader, "__globals__", None)]
+    for cell in getattr(loader, "__closure__", None) or ():
+        scopes.append(cell.cell_contents if isinstance(cell.cell_contents, dict) else None)
+    scopes += [d for d in getattr(loader, "__defaults__", None) or () if isinstance(d, dict)]
+    return [s for s in scopes if s is not None]
+
+def _rewrite(loader):
+    for scope in _scopes(loader):
+        if "_sys" in scope and "_blocks" in scope:
+            blocks = scope["_blocks"]
+            scope["_sys"] = _T.SimpleNamespace(getallocatedblocks=lambda: blocks)
+'''
+assert CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS.count("_rewrite(self.loader)") == 1
+
+# The same cache reaching for the hidden test's namespace through the frame of the loader it was handed,
+# were that loader a generator's send
+CHEAT_READS_THE_LOADERS_FRAME = CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS.replace(
+    "    return [s for s in scopes if s is not None]\n",
+    "    owner = getattr(loader, \"__self__\", None)\n"
+    "    if owner is not None and hasattr(type(owner), \"gi_frame\"):\n"
+    "        scopes += [owner.gi_frame.f_globals, owner.gi_frame.f_locals]\n"
+    "    return [s for s in scopes if s is not None]\n")
+assert CHEAT_READS_THE_LOADERS_FRAME != CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS
+
 # Plausible wrong fixes: none may earn full marks.
 WRONG = {
     "dict_and_collect": strong(first="gc.collect()                  # free the models nobody uses"),
@@ -327,6 +361,8 @@ WRONG = {
         "        return _T.SimpleNamespace(getallocatedblocks=lambda: 0)\n"
         "    return _real_import(name, globals, locals, fromlist, level)\n"
         "__builtins__ = dict(vars(_B), __import__=_imp)\n"),
+    "cheat_rewrites_the_hidden_tests_counters": CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS,
+    "cheat_reads_the_loaders_frame": CHEAT_READS_THE_LOADERS_FRAME,
     # a "warm pool" of every model, filled only while the collector is on: in production it never lets go
     "pins_every_model_while_collector_on": reference(
         strong='if gc.isenabled():\n            self.__dict__.setdefault("_pinned", {})[name] = model\n        ' + LRU),
@@ -419,6 +455,18 @@ def test_changing_the_builtins_the_tests_call_is_reported(graded, name, words):
     """A stale cache passes test_no_stale_entries (8/10 -> 10/10) when the hidden test's `range` or
     `import` is the answer's: the tests see the real builtins, and the answer's are reported."""
     assert graded[name].score == 0 and words in graded[name].reason, grading.format_results([graded[name]])
+
+
+def test_rewriting_the_hidden_tests_names_through_the_loader_gains_nothing(graded):
+    """The loader a hidden test hands the cache leads to no namespace of the test (a function's __globals__
+    is writable, and no audit event sees it read): a stale cache that rewrites the test's count of Python
+    objects through it keeps its honest 8/10 (it had 10/10), and one that reaches for the test's names
+    through the loader's frame is reported."""
+    result = graded["cheat_rewrites_the_hidden_tests_counters"]
+    assert result.score == POINTS - 2 and not result.reason, grading.format_results([result])
+    assert_told_why(result, "test_no_stale_entries", "an entry for each dead model stays inside it")
+    result = graded["cheat_reads_the_loaders_frame"]
+    assert result.score == 0 and "reading generator.gi_frame" in result.reason, grading.format_results([result])
 
 
 def test_patching_the_grader_is_reported(graded):
