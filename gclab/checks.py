@@ -12,6 +12,7 @@ import gc
 import math
 import sys
 import time
+import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from .memory import AllocationCensus, Meter, ProcessMemory, format_bytes, proces
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
-           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow"]
+           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
 # notebook's locked set-up cell imports it before any student code runs).
@@ -671,6 +672,97 @@ def assert_matches(name: str, got, expected, **tolerances) -> None:
     assert result.ok, result.text
 
 
+# -- a test's function handed to the notebook's code ------------------------------------
+# A function defined in a hidden test leads whoever holds it to the test's namespace: its __globals__ (and
+# any closure cell) is writable, and no audit event sees it read, so code handed one could rewrite what the
+# test counts.  `sealed_call` hands over a stand-in that leads nowhere of the test's.
+def sealed_call(function, note=None, *, name=None):
+    """`call, record = sealed_call(function, note)`: `call` to hand the notebook's code in place of
+    `function` (a function of the test's own), `record` for the test alone.
+
+    `call(*args, **kwargs)` runs `function(*args, **kwargs)` and returns what it returned, or raises the
+    exception it raised (its traceback dropped: the frames in it are the test's).  `call` leads its holder
+    to none of the test's state: its __globals__ is an empty dict of its own, its closure cells (its own)
+    hold a generator's `send` and a message, and `function`, `note` and what was recorded live in that
+    generator's locals, which the grading guard lets no learner code read (generator.gi_frame, a
+    traceback's frames and the collector's object graph are refused).  Whatever the holder rewrites in
+    `call` changes what its own calls through `call` do, never what `record` returns.
+
+    `note(args, kwargs, outcome)`, called after each call with what the call was given and what `function`
+    returned or the exception it raised (`isinstance(outcome, BaseException)` tells them apart when
+    `function` may raise), returns the entry `record()` lists for that call; keep in an entry only what the
+    test needs (a weakref.ref to a result keeps it no longer alive than its holder does).  Without a note,
+    each call's entry is None: `len(record())` is the number of calls.  An exception that `note` raises is
+    raised to the caller in place of the outcome, and nothing is recorded for that call.
+
+    `record()` returns the entries so far, in order, as a new list; when the notebook's code stopped the
+    generator behind `call` (through `send.__self__`: close(), throw()), it raises an AssertionError that
+    says so.  `name`: `call`'s __name__ (the one the notebook's code sees; default `function.__name__`).
+
+    Calls do not nest: a call made while another call of the same `call` runs (from `function`, or from
+    another thread) raises ValueError ("generator already executing")."""
+    name = name if name is not None else getattr(function, "__name__", "call")
+    key = object()                 # what `record` sends: no holder of `call` can send it
+    running = _sealed_running(function, note, key)
+    next(running)
+    send = running.send
+    stopped = (f"the notebook's code stopped {name}, the function the test handed it (through its generator's "
+               "close() or throw()): leave it to run")
+    made = _sealed_caller(send, stopped)     # its cells are its own: `record` shares none of them
+    call = types.FunctionType(made.__code__, {}, name, None, made.__closure__)
+    call.__qualname__ = name
+
+    def record() -> list:
+        try:
+            return send(key)
+        except StopIteration:
+            raise AssertionError(stopped) from None
+    return call, record
+
+
+def _sealed_running(function, note, key):
+    """The generator behind a sealed call: it runs `function` for each (args, kwargs) sent, and answers
+    `key` with the entries noted so far.  Nothing it was sent or answered stays in its locals between calls."""
+    entries, out = [], [None]
+    while True:
+        message = yield out.pop()              # popped: what it answers stays no longer in its locals
+        if message is key:
+            out.append(list(entries))
+            continue
+        if type(message) is not tuple or len(message) != 2 or type(message[1]) is not dict:
+            message = None
+            out.append((False, TypeError("a sealed call is sent (args, kwargs)")))
+            continue
+        args, kwargs = message
+        message = None
+        try:
+            outcome = (True, function(*args, **kwargs))
+        except BaseException as error:         # whatever it raised goes to the caller, KeyboardInterrupt included
+            outcome = (False, BaseException.with_traceback(error, None))
+        try:
+            entries.append(None if note is None else note(args, kwargs, outcome[1]))
+        except BaseException as error:
+            outcome = (False, BaseException.with_traceback(error, None))
+        out.append(outcome)
+        args = kwargs = outcome = None
+
+
+def _sealed_caller(send, stopped):
+    """Only the code of `call` is used, with globals of its own: see `sealed_call`."""
+    def call(*args, **kwargs):
+        try:
+            returned, value = send((args, kwargs))
+        except StopIteration:
+            raise RuntimeError(stopped) from None
+        if returned:
+            return value
+        try:
+            raise value
+        finally:
+            value = None                       # no cycle: the exception's traceback holds this frame
+    return call
+
+
 
 
 # -- a GC policy for a server: collector pauses, no full collection in a request, bounded garbage
@@ -962,4 +1054,4 @@ def assert_policy(report: PolicyReport) -> None:
 
 _OWN.update({name: globals()[name] for name in
              ("run_flat_check", "assert_flat", "compare", "assert_matches", "plain", "integrity_problems",
-              "assert_untampered", "run_policy_check", "assert_policy")})
+              "assert_untampered", "run_policy_check", "assert_policy", "sealed_call")})

@@ -632,6 +632,8 @@ class Guard:
             if (self._made_for_the_grader(frame) and self._names_the_call(frame, event, args)
                     or self._loads_library_bytecode(event, frame)):
                 return None
+            if event.startswith("marshal."):
+                return f"{event} (code loaded from bytes could be any code at all: a module of the notebook's own is compiled from its source)"
             return f"{event} (reaching into the grader's objects)"
         if event == _GATE_EVENT:
             return self._judge_gate(args, frame)
@@ -747,6 +749,10 @@ class Guard:
                 return None
             return "signal.signal with a handler of the learner's own (a handler gets the frame it interrupted)"
         if key == "_imp._fix_co_filename":
+            path = call[1] if len(call) == 2 else None
+            if type(path) is str and not self._library_file(path):
+                return None          # code named after a file of the notebook's (a module of its own, loaded again
+                                     # from its cached bytecode): a name that earns it no trust
             if self._loads_library_bytecode("marshal.loads", caller):
                 return None          # the import system naming a library's cached code after its source
             return f"{key} (it would name the notebook's code after a library's file)"

@@ -911,3 +911,157 @@ def test_a_step_that_raises_is_told_as_a_failed_check():
 
     with pytest.raises(AssertionError, match=r"the step raised RuntimeError: element 0 .* \(step 0\)"):
         checks.assert_graphs_do_not_grow(step, _Accumulates(running=False), "loop")
+
+
+# -- sealed_call: a test's function handed to the notebook's code ----------------------
+_TEST_STATE = {"calls": 0}          # what the test counts, in the namespace its functions' __globals__ is
+
+
+def _test_step(i, scale=2):
+    _TEST_STATE["calls"] += 1
+    if i < 0:
+        raise FloatingPointError(f"job {i}: loss is NaN")
+    return i * scale
+
+
+def _reachable_from(call):
+    """What the notebook's code reaches from `call` without reading a frame (the guard refuses that):
+    its __globals__, its closure cells' contents, its defaults, and the __self__ of a callable in C."""
+    seen, todo = [], [call]
+    while todo:
+        value = todo.pop()
+        if any(value is s for s in seen):
+            continue
+        seen.append(value)
+        todo += [getattr(value, "__globals__", None), getattr(value, "__self__", None),
+                 *(getattr(value, "__defaults__", None) or ()), *(getattr(value, "__kwdefaults__", None) or {}).values(),
+                 *(cell.cell_contents for cell in getattr(value, "__closure__", None) or ())]
+        if isinstance(value, dict):
+            todo += list(value.values())
+        todo = [v for v in todo if v is not None]
+    return seen
+
+
+def test_a_sealed_call_passes_results_and_exceptions_through():
+    call, record = checks.sealed_call(_test_step)
+    assert call(3) == 6 and call(3, scale=5) == 15 and call(i=4) == 8
+    with pytest.raises(FloatingPointError, match="job -1: loss is NaN") as raised:
+        call(-1)
+    frames = []
+    tb = raised.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    assert not any(f.f_globals is globals() for f in frames[1:]), "the exception's traceback leads to the test's frames"
+    with pytest.raises(TypeError):
+        call(1, 2, 3)
+    assert record() == [None] * 5, "without a note each call is listed as None"
+    assert call.__name__ == "_test_step" and checks.sealed_call(_test_step, name="train_step")[0].__name__ == "train_step"
+
+
+def test_a_sealed_call_records_what_its_note_keeps_and_keeps_no_result_alive():
+    import weakref
+
+    class Model:
+        pass
+
+    def load(name):
+        return Model()
+
+    load, built = checks.sealed_call(load, note=lambda args, kwargs, model: (args[0], weakref.ref(model)))
+    kept = load("a")
+    load("b")
+    assert [(name, ref() is not None) for name, ref in built()] == [("a", True), ("b", False)]
+    assert built()[0][1]() is kept
+    first = built()
+    first.clear()
+    assert len(built()) == 2, "record() hands out a copy"
+
+    raised, outcomes = checks.sealed_call(_test_step, note=lambda args, kwargs, outcome: outcome)
+    with pytest.raises(FloatingPointError) as error:
+        raised(-2)
+    assert raised(1) == 2 and outcomes() == [error.value, 2], "the exception raised is the one noted"
+
+
+def test_an_exception_its_note_raises_goes_to_the_caller_and_nothing_is_recorded():
+    call, record = checks.sealed_call(_test_step, note=lambda args, kwargs, outcome: args[0] // outcome)
+    with pytest.raises(ZeroDivisionError):
+        call(0)
+    assert call(2, scale=1) == 2 and record() == [1]
+
+
+def test_nothing_reachable_from_a_sealed_call_holds_the_tests_state():
+    entries_note = lambda args, kwargs, outcome: outcome           # noqa: E731
+    call, record = checks.sealed_call(_test_step, note=entries_note)
+    call(1)
+    reached = _reachable_from(call)
+    for secret, what in ((globals(), "the test's globals"), (_TEST_STATE, "the test's state"),
+                         (_test_step, "the test's function"), (entries_note, "the note"), (record, "record")):
+        assert not any(r is secret for r in reached), f"{what} is reachable from the sealed call"
+    assert call.__globals__ == {} and call.__defaults__ is None and call.__kwdefaults__ is None
+    assert type(call.__closure__[0].cell_contents.__self__).__name__ == "generator"
+    assert record() == [2]
+    # Rewriting what `call` holds changes what calls through it do, never what the test recorded
+    call.__globals__["send"] = call.__closure__[0].cell_contents = lambda message: (True, "forged")
+    assert call(5) == "forged" and record() == [2]
+
+
+def test_a_stopped_sealed_call_says_so():
+    call, record = checks.sealed_call(_test_step, name="train_step")
+    call.__closure__[0].cell_contents.__self__.close()          # the notebook's code stops its generator
+    with pytest.raises(AssertionError, match="the notebook's code stopped train_step, the function the test handed it"):
+        record()
+    with pytest.raises(RuntimeError, match="stopped train_step"):
+        call(1)
+
+
+def test_a_sealed_call_is_one_of_the_functions_the_checks_vouch_for(monkeypatch):
+    assert "sealed_call" in checks.__all__ and "gclab.checks.sealed_call" not in checks.integrity_problems()
+    monkeypatch.setattr(checks, "sealed_call", lambda function, note=None, name=None: (function, list))
+    assert "gclab.checks.sealed_call" in checks.integrity_problems()
+
+
+GUARDED_SEALED_CALL = '''
+import json, sys
+from gclab import checks, guard
+keeper = guard.install(sys.argv[1], processes=False, files=True)
+_counted = []
+def _count(i):
+    _counted.append(i)
+    return i
+call, record = checks.sealed_call(_count)
+outcomes = {}
+learner = """
+def attempt(name, action):
+    try:
+        outcomes[name] = repr(action())
+    except Exception as error:
+        outcomes[name] = f"{type(error).__name__}: {error}"
+send = call.__closure__[0].cell_contents
+attempt("call", lambda: call(7))
+attempt("globals", lambda: sorted(call.__globals__))
+attempt("the generator's frame", lambda: send.__self__.gi_frame)
+attempt("setting its code", lambda: setattr(call, "__code__", (lambda *a, **k: 0).__code__))
+attempt("setting its defaults", lambda: setattr(call, "__defaults__", (1,)))
+"""
+exec(compile(learner, sys.argv[1] + "/learner.py", "exec"), {"outcomes": outcomes, "call": call})
+print(json.dumps({"outcomes": outcomes, "counted": _counted, "recorded": len(record())}))
+'''
+
+
+def test_the_guard_refuses_the_notebooks_code_what_a_sealed_call_relies_on(tmp_path):
+    """Under the grading guard: the generator's frame is refused, and so are a new __code__ or __defaults__
+    for `call` (its code is gclab's)."""
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", GUARDED_SEALED_CALL, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    outcomes = found["outcomes"]
+    assert outcomes["call"] == "7" and outcomes["globals"] == "[]", outcomes
+    assert outcomes["the generator's frame"].startswith("RuntimeError: refused while grading: reading generator.gi_frame")
+    assert "refused while grading: setting _count.__code__" in outcomes["setting its code"], outcomes
+    assert "refused while grading: setting _count.__defaults__" in outcomes["setting its defaults"], outcomes
+    assert found["counted"] == [7] and found["recorded"] == 1

@@ -137,6 +137,15 @@ ROUTES = ATTEMPT + textwrap.dedent('''
         with ThreadPoolExecutor(1) as pool:
             return pool.submit(inspect.getinnerframes, caught()).result()
 
+    def own_module_from_its_bytecode():     # bytes beside it: any code object at all
+        import importlib.util, py_compile
+        path = os.path.join(os.path.dirname(workdir_file), "own_module.py")
+        with open(path, "w") as source:
+            source.write("ANSWER = 42\\n")
+        py_compile.compile(path, doraise=True)
+        spec = importlib.util.spec_from_file_location("own_module", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
     def fresh_signal_module():
         import _imp
         return _imp.create_builtin(types.SimpleNamespace(name="_signal", origin=None)).signal
@@ -162,6 +171,9 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     attempt("getinnerframes in a thread pool", thread_pool_frames)
     attempt("a logger's caller with its stack", lambda: __import__("logging").getLogger("x").warning("x", stack_info=True))
     attempt("summary with captured locals", lambda: traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True))
+    attempt("a module of the notebook's own from its cached bytecode", own_module_from_its_bytecode)
+    attempt("code renamed as gclab's", lambda: __import__("_imp")._fix_co_filename(
+        compile("sys._getframe(0)", workdir_file, "eval"), gclab.checks.__file__))
     attempt("code named as a frozen module", lambda: eval(compile("sys._getframe(0)", "<frozen importlib._bootstrap>", "eval")))
     attempt("code named by a relative path into the libraries",
             lambda: eval(compile("sys._getframe(0)", "../" * 12 + os.__file__.lstrip("/"), "eval")))
@@ -221,6 +233,8 @@ def routes(tmp_path_factory):
     ("getinnerframes in a thread pool", "reading traceback.tb_frame by inspect.py"),
     ("summary with captured locals", "sys._getframe by traceback.py:walk_stack"),
     ("a logger's caller with its stack", "sys._getframe by logging/__init__.py:<lambda> for logging/__init__.py:findCaller"),
+    ("a module of the notebook's own from its cached bytecode", "marshal.loads (code loaded from bytes could be any"),
+    ("code renamed as gclab's", "_imp._fix_co_filename (it would name the notebook's code after a library's file)"),
     ("code named as a frozen module", "compile of code that claims to be <frozen importlib._bootstrap>"),
     ("code named by a relative path into the libraries", "sys._getframe"),
     ("the guard's own names rebound", "sys._getframe"),

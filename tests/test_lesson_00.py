@@ -322,6 +322,28 @@ def measure_release(make_tensor, device=DEVICE):
     return {**readings, "reserved": dict(readings)}
 ''' + VERDICTS_RIGHT)
 
+# Two wrong answers (before read as 0; the collector back on before `del`), each hidden from the hidden test by
+# rewriting its names through what it hands the answer: a function of the test's own has the test's namespace as
+# its __globals__ (writable, and no audit event sees it read), and so do the methods a test sets on the meter's
+# class and the torch.cuda.empty_cache it swaps in (its model of a caching allocator).
+CHEAT_REWRITES_THE_HIDDEN_TESTS_NAMES = (STORAGE_RIGHT + ACCOUNT_BEFORE_ZERO + '''
+_account = account
+def account(workload, device=DEVICE):
+    for handed in (workload, Meter.allocated, Meter.reserved, torch.cuda.empty_cache):   # what a hidden test handed
+        scope = getattr(handed, "__globals__", {})
+        if "_reference_account" in scope:
+            scope["_reference_account"] = _account             # the test's reference made to agree with this one
+    return _account(workload, device)
+''', MEASURE_COLLECTOR_OFF_ONLY_WHILE_MAKING + VERDICTS_RIGHT + '''
+_measure_release = measure_release
+def measure_release(make_tensor, device=DEVICE):
+    readings = _measure_release(make_tensor, device)
+    scope = getattr(make_tensor, "__globals__", {})
+    if "_collector_on_when_freed" in scope:
+        scope["_collector_on_when_freed"] = [False]            # what the test saw when the tensor was freed
+    return readings
+''')
+
 # Right answers written differently from the solution: each must earn full marks.
 ALTERNATIVES = {
     "alternative_a": (STORAGE_PAIRS + ACCOUNT_BASELINE_AND_LATE_RESERVED, MEASURE_TRY_FINALLY + VERDICTS_EXPLICIT),
@@ -396,7 +418,9 @@ def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
     return grade_all({"solution": SOLUTION, "untouched": RELEASE,
                       **write_variants(RELEASE, {**SUBMISSIONS, **ALTERNATIVES,
-                                                 "cheat_returns_values_equal_to_anything": CHEAT_EQUAL_TO_ANYTHING},
+                                                 "cheat_returns_values_equal_to_anything": CHEAT_EQUAL_TO_ANYTHING,
+                                                 "cheat_rewrites_the_hidden_tests_names":
+                                                     CHEAT_REWRITES_THE_HIDDEN_TESTS_NAMES},
                                         folder)}, folder)
 
 
@@ -481,3 +505,13 @@ def test_values_equal_to_anything_earn_no_points(graded):
     assert_less_than_full_marks(result, MAX_SCORE)
     for test_id in ("test_storage_bytes", "test_account", "test_release_readings"):
         assert_told_why(result, test_id, "is an EqualToAnything (a subclass of int), expected an int")
+
+
+def test_rewriting_the_hidden_tests_names_through_what_they_hand_over_gains_nothing(graded):
+    """What the hidden tests hand the answer (workloads, tensor makers, the meter's methods and the empty_cache of
+    their model of a caching allocator) leads to no namespace of the test: wrong answers that rewrote the test's
+    reference and its record of the collector through them (8/8 before) keep their honest 4/8, told why."""
+    result = graded["cheat_rewrites_the_hidden_tests_names"]
+    assert result.score == MAX_SCORE - 4 and not result.reason, grading.format_results([result])
+    assert_told_why(result, "test_account", "before is 0 B, expected 3.00 MiB")
+    assert_told_why(result, "test_release_readings", "let the tensor go with the collector on")

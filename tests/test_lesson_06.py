@@ -60,6 +60,12 @@ WRONG = {
         "def on_startup():\n    gc.freeze()\n    young, middle, _ = gc.get_threshold()\n"
         "    gc.set_threshold(young, middle, 10**9)\n"
         "def on_idle(idle_seconds):\n    if gc.get_count()[2] > 0:\n        gc.collect()\n        gc.freeze()\n"),
+    # frozen and collected whenever idle, but the third threshold left as it is: at 250 requests per second the
+    # server is idle often enough that it collects before the collector starts a full collection by itself; at the
+    # busier load, never idle, the collector does, in a request
+    "freezes_and_collects_when_idle_without_raising_threshold": _policy(
+        "def on_startup():\n    gc.freeze()\n"
+        "def on_idle(idle_seconds):\n    gc.collect()\n"),
     "unhooks_the_recording": _policy(
         "def before_request(in_flight):\n    gc.callbacks.clear()\n"),
     # the server runs as `python -m gclab.serving`: its module is sys.modules["__main__"]
@@ -115,7 +121,19 @@ CORRECT = {
         "def after_request(in_flight):\n    if in_flight == 0:\n        gc.enable()\n"
         "def on_idle(idle_seconds):\n    gc.collect()\n"),
 }
-CONTENDED = {"contended_solution": REFERENCE, "contended_collector_off": WRONG["collector_off_for_good"]}
+# Wrong, and still given full marks: a known gap in the grading (see the test below).
+KNOWN_GAPS = {
+    # waits for 20 ms of idle time before it collects: at 250 requests per second the load's few long gaps give
+    # it enough; at 350, where no gap in the load is long enough, it collects nothing while serving (1,125
+    # responses' worth of garbage against a bound of 796, measured)
+    "collects_only_after_20ms_idle": _policy(
+        "def on_startup():\n    gc.freeze()\n    young, middle, _ = gc.get_threshold()\n"
+        "    gc.set_threshold(young, middle, 10**9)\n"
+        "def on_idle(idle_seconds):\n    if idle_seconds > 0.02:\n        gc.collect()\n"),
+}
+CONTENDED = {"contended_solution": REFERENCE, "contended_collector_off": WRONG["collector_off_for_good"],
+             "contended_freezes_without_raising_threshold":
+                 WRONG["freezes_and_collects_when_idle_without_raising_threshold"]}
 
 
 class CpuHogs:
@@ -135,7 +153,7 @@ class CpuHogs:
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
-    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **CORRECT, **CONTENDED}, folder)}
+    paths = {"solution": SOLUTION, "untouched": RELEASE, **write_variants(RELEASE, {**WRONG, **CORRECT, **KNOWN_GAPS, **CONTENDED}, folder)}
     quiet = {n: paths[n] for n in paths if n not in CONTENDED}
     results = grade_all(quiet, folder)            # a timed lesson: one at a time, whatever the jobs
     for name in CONTENDED:
@@ -187,6 +205,9 @@ def test_wrong_policies_are_told_what_failed(graded):
         assert "No full (generation 2) collection ran while the load was served" in message(name), message(name)
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
+    busier = message("freezes_and_collects_when_idle_without_raising_threshold")
+    assert "at a busier load" in busier and "full (generation 2) collection(s) ran while requests were in flight" \
+        in busier and "raise the third threshold" in busier, busier
     # refused before it runs (the grader reads the policy's source), or caught by the server
     unhooks = message("unhooks_the_recording")
     assert "modifies the grader's tools" in unhooks or (
@@ -218,3 +239,19 @@ def test_contended_verdicts_do_not_move(graded):
     solution, wrong = graded["contended_solution"], graded["contended_collector_off"]
     assert solution.score == 6, grading.format_results([solution])
     assert wrong.score == 0 and "over the bound" in _message(wrong), grading.format_results([wrong])
+    # on a busy machine the server is idle less often at 250 requests per second too: the first load may catch it
+    busier = graded["contended_freezes_without_raising_threshold"]
+    assert busier.score == 0 and "full (generation 2) collection(s) ran while requests were in flight" in (
+        _message(busier)), grading.format_results([busier])
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "known gap: a policy that waits for more idle time than on_idle's 10 ms differs from the solution only by how "
+    "long the idle moments are, and on a shared machine a busier load leaves the solution itself none (at 350 "
+    "requests per second both collected nothing while serving, quiet and with two CPU hogs): no load found yet "
+    "separates them whatever the machine"))
+@pytest.mark.parametrize("name", sorted(KNOWN_GAPS))
+def test_a_policy_that_waits_for_long_idle_moments_loses_marks(graded, name):
+    result = graded[name]
+    assert result.score < 6, grading.format_results([result])
+    assert "garbage" in _message(result), _message(result)

@@ -320,13 +320,14 @@ def _rewrite(loader):
 '''
 assert CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS.count("_rewrite(self.loader)") == 1
 
-# The same cache reaching for the hidden test's namespace through the frame of the loader it was handed,
-# were that loader a generator's send
+# The same cache reaching for the hidden test's namespace through the frame of the generator behind the loader it
+# was handed (the loader, a generator's send, or a function whose closure holds one)
 CHEAT_READS_THE_LOADERS_FRAME = CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS.replace(
     "    return [s for s in scopes if s is not None]\n",
-    "    owner = getattr(loader, \"__self__\", None)\n"
-    "    if owner is not None and hasattr(type(owner), \"gi_frame\"):\n"
-    "        scopes += [owner.gi_frame.f_globals, owner.gi_frame.f_locals]\n"
+    "    held = [loader] + [cell.cell_contents for cell in getattr(loader, \"__closure__\", None) or ()]\n"
+    "    for owner in [getattr(h, \"__self__\", None) for h in held]:\n"
+    "        if owner is not None and hasattr(type(owner), \"gi_frame\"):\n"
+    "            scopes += [owner.gi_frame.f_globals, owner.gi_frame.f_locals]\n"
     "    return [s for s in scopes if s is not None]\n")
 assert CHEAT_READS_THE_LOADERS_FRAME != CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS
 

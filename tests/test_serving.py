@@ -651,3 +651,19 @@ def test_graded_code_cannot_start_a_server_through_the_zygote(tmp_path):
                           env=dict(os.environ, TMPDIR=str(tmp_path)))       # as in a verdict process
     assert "refused while grading: subprocess.Popen" in done.stdout, done.stdout + done.stderr
     assert "refused while grading: socket.sendmsg" in done.stdout and "sent" not in done.stdout, done.stdout
+
+
+def test_a_policy_is_compiled_from_its_source_never_from_bytecode_cached_beside_it(tmp_path):
+    """Bytes in the policy's folder could be any code object: the one a policy file's cache names is not run,
+    and none is written."""
+    import importlib.util
+    import py_compile
+    from gclab.serving import load_policy
+    path = _policy(tmp_path, "def on_idle(idle_seconds):\n    return 'from the source'\n")
+    other = _policy(tmp_path, "def on_idle(idle_seconds):\n    return 'from the cached bytecode'\n", "other.py")
+    cached = Path(importlib.util.cache_from_source(str(path)))
+    py_compile.compile(str(other), cfile=str(cached), doraise=True)
+    written = cached.read_bytes()
+    py_compile.compile(str(path), cfile=str(cached), doraise=True)     # a valid cache for policy.py ...
+    cached.write_bytes(cached.read_bytes()[:16] + written[16:])        # ... holding the other file's code
+    assert load_policy(str(path))["on_idle"](0.01) == "from the source"
