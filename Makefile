@@ -64,18 +64,15 @@ lab: $(STAMP) $(KERNEL)
 	JUPYTER_CONFIG_PATH="$(CURDIR)/$(if $(AUTHOR),autograder,lab)" \
 	  $(VENV)/bin/jupyter lab $(LAB_ARGS) $(if $(AUTHOR),.,notebooks/)
 
-# Two passes, each TEST_JOBS modules at a time (pytest-xdist): first the tests that time a server
-# (marked `timed`: lesson 06, graded one submission at a time as the grader grades a timed lesson,
-# beside the serving tests; their servers mostly wait for load, so each module alone left a core
-# idle), away from the CPU-bound rest; then the rest. A pass that selects no test (exit 5,
-# PYTEST_ARGS="-k meter") is not a failure.
+# One pass, TEST_JOBS modules at a time (pytest-xdist), the longest modules first (tests/conftest.py;
+# --no-loadscope-reorder: not xdist's own order, by number of tests), so that no worker is left alone
+# with a long one at the end. The tests that time a server (marked
+# `timed`) run beside the rest: their verdicts are judged in CPU time and hold beside two CPU hogs.
+# A pass that selects no test (exit 5, PYTEST_ARGS="-k meter") is not a failure.
 TEST_JOBS ?= 2
+
 test: $(STAMP) $(KERNEL)
-	@status=0; \
-	$(PY) -m pytest -q tests -m timed -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(PY) -m pytest -q tests -m "not timed" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) \
-	  || [ $$? -eq 5 ] || status=1; \
-	exit $$status
+	$(PY) -m pytest -q tests -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 release: $(STAMP)
 	$(PY) -m gclab release $(if $(SOURCE),--source "$(SOURCE)")

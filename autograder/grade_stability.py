@@ -40,6 +40,10 @@ def main(argv=None) -> int:
                 seen[path.name][condition].append(result.score)
             print(f"round {k + 1} {condition:<9} {time.perf_counter() - started:6.1f} s  "
                   + "  ".join(f"{r.score:g}" for r in results), flush=True)
+            for path, result in zip(args.notebooks, results):      # why a grading lost points, to tell noise from a fault
+                for test in result.tests:
+                    if test.score < test.max_score:
+                        print(f"    {path.name} {test.id}: {test.status}: {(test.message or result.reason)[:300]}")
     flips = 0
     print(f"\n{'notebook':<48}{'quiet':>20}{'contended':>20}")
     for name, by_condition in seen.items():

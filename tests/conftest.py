@@ -3,9 +3,24 @@ import gc
 import pytest
 
 
+# The modules that take longest (each grades a lesson's submissions, minutes on 2 cores), in that order:
+# collected first, so pytest-xdist (--dist loadfile) starts them first and the short ones fill in
+# around them, instead of one worker being left with lesson 08 at the end.
+LONGEST_FIRST = ("test_lesson_08.py", "test_lesson_06.py", "test_grading.py", "test_lesson_07.py",
+                 "test_serving.py", "test_lesson_01.py", "test_lesson_05.py", "test_lesson_06_notebook.py",
+                 "test_lesson_03.py", "test_guide.py", "test_lesson_02.py", "test_cluster.py")
+
+
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "timed: times a server's latency; `make test` runs these before the rest, apart from it")
+    config.addinivalue_line("markers", "timed: times a server's latency (judged in CPU time: it holds beside "
+                                       "the rest of the suite)")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)            # stable: each module's tests keep their order
 
 
 @pytest.fixture(autouse=True)
