@@ -131,8 +131,10 @@ def test_leaks_unless_collector_off_is_caught_with_the_collector_on():
 
     report = run_flat_check(step, iterations=8, collector_on=4)
     assert not report.ok and report.growth == [0] * 8 and report.unwatched == 8
-    first, second = report.heap_collector_on                  # measured by the process's heap
-    assert first >= 48 * 1024 and second - first >= 48 * 1024, report.heap_collector_on
+    # measured by the process's heap, whose reading after one step moves with what else the process frees
+    # (seen 24 KiB after the first 64 KiB kept, in a worker that had graded lessons): judged after both
+    first, second = report.heap_collector_on
+    assert second >= 2 * 48 * 1024 and second > first, report.heap_collector_on
     assert "with the collector switched on, memory was 64" in report.explain()
     assert "gc.isenabled()" in report.explain()
 
