@@ -205,9 +205,11 @@ def test_wrong_policies_are_told_what_failed(graded):
         assert "No full (generation 2) collection ran while the load was served" in message(name), message(name)
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
+    # caught at the busier load on a quiet machine; on a busy one (the rest of the suite beside it) the first
+    # load may already leave the server too few idle moments, and catches it there
     busier = message("freezes_and_collects_when_idle_without_raising_threshold")
-    assert "at a busier load" in busier and "full (generation 2) collection(s) ran while requests were in flight" \
-        in busier and "raise the third threshold" in busier, busier
+    assert "full (generation 2) collection(s) ran while requests were in flight" in busier, busier
+    assert "at a busier load" not in busier or "raise the third threshold" in busier, busier
     # refused before it runs (the grader reads the policy's source), or caught by the server
     unhooks = message("unhooks_the_recording")
     assert "modifies the grader's tools" in unhooks or (
