@@ -85,7 +85,8 @@ _FRAME_PASSING_ON = frozenset({("inspect.py", "stack"), ("inspect.py", "trace"),
 # read for any other function while the learner's code runs is refused.
 _FRAME_SUMMARIES = frozenset({("traceback.py", "_extract_from_extended_frame_gen"), ("traceback.py", "clear_frames"),
                               ("logging/__init__.py", "findCaller"), ("typing.py", "_caller"), ("enum.py", "_create_"),
-                              ("collections/__init__.py", "namedtuple"), ("matplotlib/_api/__init__.py", "warn_external"),
+                              ("collections/__init__.py", "namedtuple"),
+                              ("matplotlib/_api/__init__.py", "warn_external"),
                               ("IPython/core/magic.py", "parse_options"), ("asyncio/coroutines.py", "_format_coroutine"),
                               ("typing_extensions.py", "_has_generic_or_protocol_as_origin"),
                               ("typing_extensions.py", "_caller"), ("traitlets/traitlets.py", "__init__"),
@@ -98,10 +99,13 @@ _FRAME_SUMMARY_CONDITIONS = (("_extract_from_extended_frame_gen", "capture_local
 # ... and those that use the locals of the frame they read, or of its caller (IPython expanding {names} in
 # a magic's line, numpy's np.r_["..."] and bmat, a multiple-dispatch decorator in a class body): allowed
 # unless that frame is gclab's or the grader's.
-_FRAME_LOCALS_READERS = frozenset({("IPython/core/interactiveshell.py", "var_expand"), ("IPython/core/interactiveshell.py", "get_local_scope"),
-                                   ("IPython/core/interactiveshell.py", "push"), ("IPython/core/magic.py", "magic_deco"), ("six.py", "exec_")})
-_CALLER_LOCALS_READERS = frozenset({("numpy/lib/_index_tricks_impl.py", "__getitem__"), ("numpy/matrixlib/defmatrix.py", "bmat"),
-                                    ("sympy/multipledispatch/core.py", "_"), ("torch/fx/experimental/unification/multipledispatch/core.py", "_df")})
+_FRAME_LOCALS_READERS = frozenset({("IPython/core/interactiveshell.py", "var_expand"),
+                                   ("IPython/core/interactiveshell.py", "get_local_scope"),
+                                   ("IPython/core/interactiveshell.py", "push"), ("IPython/core/magic.py", "magic_deco"),
+                                   ("six.py", "exec_")})
+_CALLER_LOCALS_READERS = frozenset({("numpy/lib/_index_tricks_impl.py", "__getitem__"),
+                                    ("numpy/matrixlib/defmatrix.py", "bmat"), ("sympy/multipledispatch/core.py", "_"),
+                                    ("torch/fx/experimental/unification/multipledispatch/core.py", "_df")})
 # Where the import system runs a module's code: a library module being imported may read the frames
 # of its own import (a decorator in a class body reading the class's namespace, torch.fx.wrap at a
 # module's top level), however deep in a lazy import the learner's call set off (torch imports
@@ -115,7 +119,8 @@ _FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
 _CALL_NAMES = types.MappingProxyType({
     "sys._getframe": "_getframe", "sys._current_frames": "_current_frames", "gc.get_objects": "get_objects",
     "gc.get_referrers": "get_referrers", "gc.get_referents": "get_referents", "sys.settrace": "settrace",
-    "sys.setprofile": "setprofile", "marshal.loads": "loads", "marshal.load": "load", "function.__new__": "FunctionType"})
+    "sys.setprofile": "setprofile", "marshal.loads": "loads", "marshal.load": "load",
+    "function.__new__": "FunctionType"})
 # What reaches past the caller (objects handed back, a hook installed for every later call, memory, code
 # made up): allowed only where gclab's own code or the grader's makes the call, directly or through
 # libraries it called.  A library making it for the learner (objgraph.by_type, IPython calling back a
@@ -144,8 +149,9 @@ _BUILTINS_HOLDING_GATES = frozenset({"_signal", "_imp"})
 _TEST_EXTENSIONS = ("_test", "_ctypes_test", "_xxtestfuzz", "_xxsubinterpreters", "xxsubtype", "xxlimited")
 # Library code that calls back what it was handed, with none of the learner's frames on the stack:
 # a call made from one of these is the learner's doing.
-_CALLING_BACK = frozenset({("weakref.py", "__call__"), ("IPython/core/events.py", "trigger"), ("asyncio/events.py", "_run"),
-                           ("threading.py", "run"), ("concurrent/futures/thread.py", "run"), ("ipykernel/thread.py", "run")})
+_CALLING_BACK = frozenset({("weakref.py", "__call__"), ("IPython/core/events.py", "trigger"),
+                           ("asyncio/events.py", "_run"), ("threading.py", "run"), ("concurrent/futures/thread.py", "run"),
+                           ("ipykernel/thread.py", "run")})
 # socket.sendmsg: how a request with file descriptors reaches a fork server (gclab.zygote)
 _PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
                              "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -633,7 +639,8 @@ class Guard:
                     or self._loads_library_bytecode(event, frame)):
                 return None
             if event.startswith("marshal."):
-                return f"{event} (code loaded from bytes could be any code at all: a module of the notebook's own is compiled from its source)"
+                return (f"{event} (code loaded from bytes could be any code at all: a module of the notebook's "
+                        "own is compiled from its source)")
             return f"{event} (reaching into the grader's objects)"
         if event == _GATE_EVENT:
             return self._judge_gate(args, frame)
@@ -734,9 +741,10 @@ class Guard:
         return all(path is None or (type(path) is str and self._library_file(path)) for path in paths) and any(paths)
 
     def _judge_gate(self, args, frame):
-        """A gated function (`_GATED`) called: no signal handler but Python's and asyncio's, no module that
-        would hold the originals again, no extension module from outside the libraries, and no
-        frame-evaluation hook but those torch sets while it is imported."""
+        """A gated function (`_GATED`) called: no signal handler but those that ignore the frame they get
+        (Python's, asyncio's, `_SIGNAL_HANDLERS`), no module that would hold the originals again, no extension
+        module from outside the libraries, and no frame-evaluation hook but those torch sets while it is
+        imported."""
         if len(args) != 3 or type(args[0]) is not str or type(args[1]) is not tuple:
             return "gclab.guard.gate called with something else than what the gates send"
         key, call = args[0], args[1]
