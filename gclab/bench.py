@@ -36,13 +36,18 @@ def execute_seconds(path: Path, out: Path | None = None) -> float:
         km = _kernel_manager(folder)
         start = time.perf_counter()
         try:
-            NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": folder}}).execute()
+            # cleanup_kc: nbclient stops the client's channels only for a kernel it made itself;
+            # left running, each run's heartbeat thread keeps pinging a dead kernel, taking heap
+            # that memory checks in this process would count
+            NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": folder}}).execute(
+                cleanup_kc=True)
             seconds = time.perf_counter() - start
         finally:
-            # nbclient shuts down only a kernel it made itself: this one would live on until this
-            # process ends, and then go without running its atexit hooks
+            # ... and a kernel it did not make would live on until this process ends, and then go
+            # without running its atexit hooks
             if km.has_kernel:
                 km.shutdown_kernel()
+            km.context.destroy(linger=0)       # its I/O threads, one pair per run otherwise
     if out is not None:
         nbformat.write(nb, out)
     return seconds

@@ -1,4 +1,6 @@
 """gclab bench reads each lesson's time budget from its notebook."""
+from pathlib import Path
+
 import nbformat
 
 from gclab import bench
@@ -32,3 +34,21 @@ def test_the_kernel_is_shut_down_when_the_notebook_has_run_and_its_exit_hooks_ru
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)]), path)
     bench.execute_seconds(path)
     assert marker.exists(), "the kernel did not exit by itself, running its atexit hooks"
+
+
+def test_running_a_notebook_leaves_no_thread_behind(tmp_path):
+    """The kernel client's heartbeat and zmq's I/O threads, left running after each notebook,
+    took heap while later memory checks in the same process read it: those checks failed code
+    that keeps nothing (seen in CI, after a worker had run six lessons)."""
+    import threading
+
+    def threads():
+        return len(list((Path("/proc/self/task")).iterdir())), {t.name for t in threading.enumerate()}
+
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), path)
+    bench.execute_seconds(path)                  # the first run may start threads that live on by design
+    before = threads()
+    bench.execute_seconds(path)
+    bench.execute_seconds(path)
+    assert threads() == before
