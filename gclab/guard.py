@@ -62,7 +62,7 @@ GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "po
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 _FRAME_HOLDERS = (types.TracebackType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 _TracebackType, _FrameType, _FunctionType, _MethodType = types.TracebackType, types.FrameType, types.FunctionType, types.MethodType
-_CodeType, _ModuleType = types.CodeType, types.ModuleType
+_CodeType, _ModuleType, _MappingProxyType = types.CodeType, types.ModuleType, types.MappingProxyType
 _BuiltinFunctionType, _SimpleNamespace, _partial = types.BuiltinFunctionType, types.SimpleNamespace, functools.partial
 _FILESYSTEM_ENCODING = sys.getfilesystemencoding()
 # A frame leads to every frame below it (f_back is never audited), the verdict's own included, so a
@@ -320,6 +320,21 @@ def _text(value):
     return None
 
 
+def _exact_keys(namespace, names=None) -> dict:
+    """`namespace` (a dict, or the mappingproxy of a class the guard took), or its entries named in
+    `names` (a frozenset of exact strs), copied with its exact-str keys only.  Looking a name up in
+    the live namespace would compare it with any key of the learner's own there (a str subclass
+    whose __eq__ would then run inside the hook, where no event is judged); copying runs no method
+    of a key or a value, and no other thread's code runs while it does."""
+    if issubclass(type(namespace), dict):
+        items = dict.items(namespace)
+    elif type(namespace) is _MappingProxyType:
+        items = namespace.items()
+    else:
+        return {}
+    return {key: value for key, value in list(items) if type(key) is str and (names is None or key in names)}
+
+
 def _type_name(value) -> str:
     return type.__dict__["__name__"].__get__(type(value))
 
@@ -351,20 +366,23 @@ class Guard:
         self._modules = self._guarded_modules()
         self._module_ids = frozenset(id(m) for m in self._modules.values())
         self._module_names = {id(m): name for name, m in self._modules.items()}
+        self._module_dicts = {id(m): vars(m) for m in self._modules.values()}
         import _signal
         self._default_int_handler = _signal.default_int_handler
         # bound now: the hook and the manifest's check must not look names up in globals the
         # learner's code can rebind through a module's __dict__ (that would be listed, not prevented)
         self._same_tool, self._read, self._realpath = _same_tool, _read, _resolve
         self._memory_file, self._memory_folders = _MEMORY_FILES.fullmatch, _MEMORY_FOLDERS
-        self._manifest, self._snapshots = [], {}     # taken by install(), once the gates are in place
+        # taken by install(), once the gates are in place
+        self._manifest, self._snapshots, self._module_snapshots = [], {}, {}
 
     def _take_stock(self) -> None:
         """The manifest of the tools, and every imported module's globals as they are now (before any
         learner code: see `_unchanged`)."""
         self._manifest = self._take_manifest()
-        self._snapshots = {id(vars(module)): (vars(module), dict(vars(module)))
-                           for module in list(sys.modules.values()) if isinstance(module, types.ModuleType)}
+        modules = [module for module in list(sys.modules.values()) if isinstance(module, types.ModuleType)]
+        self._snapshots = {id(vars(module)): (vars(module), dict(vars(module))) for module in modules}
+        self._module_snapshots = {id(module): self._snapshots[id(vars(module))] for module in modules}
 
     # -- what the grader's tools are -------------------------------------------------------
     @staticmethod
@@ -373,29 +391,31 @@ class Guard:
         return {n: sys.modules[n] for n in names if isinstance(sys.modules.get(n), types.ModuleType)}
 
     def _take_manifest(self) -> list:
-        """(what, how to read it now, what it was) for every tool."""
-        entries = []
+        """(what, how to read it now, what it was) for every tool: how to read it is a function that
+        runs none of the learner's code, or (namespace, key) for an entry of a module's, class's or
+        keyword defaults' namespace, which `replaced` reads through a copy (`_exact_keys`)."""
+        entries, modules = [], sys.modules
         for name, module in self._modules.items():
-            entries.append((f"sys.modules[{name!r}]", lambda n=name: sys.modules.get(n), module))
+            entries.append((f"sys.modules[{name!r}]", (modules, name), module))
             namespace = vars(module)
             for attr, value in list(namespace.items()):
                 if name == "sys" and attr not in ("modules", "audit", "addaudithook", "_getframe", "exit"):
                     continue            # sys holds streams and settings ordinary code changes
                 if (name == "os" and attr != "environ" or name in LIBRARY_CLASSES) and not callable(value):
                     continue            # settings and state its own code rebinds (warnings.filters)
-                entries.append((f"{name}.{attr}", lambda ns=namespace, a=attr: ns.get(a, _MISSING), value))
+                entries.append((f"{name}.{attr}", (namespace, attr), value))
                 if (name.startswith("gclab") or name in LIBRARY_CLASSES) and getattr(value, "__module__", None) == name:
                     entries += self._definition(f"{name}.{attr}", value)
         torch = self._modules.get("torch")
         if torch is not None:
             members = vars(torch.Tensor)
-            entries += [(f"torch.Tensor.{a}", lambda a=a: members.get(a, _MISSING), v) for a, v in list(members.items())]
+            entries += [(f"torch.Tensor.{a}", (members, a), v) for a, v in list(members.items())]
         return entries
 
     def _definition(self, qualname, value) -> list:
         if isinstance(value, type):
             members = vars(value)
-            entries = [(f"{qualname}.{a}", lambda a=a: members.get(a, _MISSING), m) for a, m in list(members.items())]
+            entries = [(f"{qualname}.{a}", (members, a), m) for a, m in list(members.items())]
             for attr, member in list(members.items()):
                 function = getattr(member, "__func__", getattr(member, "fget", member))
                 if isinstance(function, types.FunctionType):
@@ -409,6 +429,9 @@ class Guard:
     def _function(qualname, function) -> list:
         entries = [(f"{qualname}.{a}", lambda a=a: getattr(function, a), getattr(function, a))
                    for a in ("__code__", "__defaults__", "__kwdefaults__")]
+        # a dict, changed in place by no assignment (StackSummary.extract's capture_locals=False)
+        kwdefaults = function.__kwdefaults__ or {}
+        entries += [(f"{qualname}.__kwdefaults__[{k!r}]", (kwdefaults, k), v) for k, v in list(kwdefaults.items())]
         for i, cell in enumerate(function.__closure__ or ()):
             try:
                 entries.append((f"{qualname} (closure)", lambda c=cell: c.cell_contents, cell.cell_contents))
@@ -420,8 +443,17 @@ class Guard:
         """The grader's tools that are no longer what they were when the guard was installed."""
         self._busy.depth = getattr(self._busy, "depth", 0) + 1
         try:
-            same, read = self._same_tool, self._read
-            return [what for what, now, was in self._manifest if not same(self, what, read(now), was)]
+            same, read, copies = self._same_tool, self._read, {}
+
+            def now(source):
+                if type(source) is not tuple:
+                    return read(source)
+                namespace, key = source
+                copy = copies.get(id(namespace))
+                if copy is None:
+                    copy = copies[id(namespace)] = _exact_keys(namespace)
+                return copy.get(key, _MISSING)
+            return [what for what, source, was in self._manifest if not same(self, what, now(source), was)]
         finally:
             self._busy.depth -= 1
 
@@ -550,12 +582,12 @@ class Guard:
         names = frame.f_code.co_names
         pairs = [(live, taken[1])]
         for name in names:
-            value = taken[1].get(name, _MISSING)
-            if isinstance(value, _ModuleType):
-                module_taken = self._snapshots.get(id(vars(value)))
-                if module_taken is not None:
-                    pairs.append(module_taken)
-        for now, then in pairs:
+            module_taken = self._module_snapshots.get(id(taken[1].get(name, _MISSING)))
+            if module_taken is not None:
+                pairs.append(module_taken)
+        wanted = frozenset(names)
+        for live_namespace, then in pairs:
+            now = _exact_keys(live_namespace, wanted)
             for name in names:
                 was = then.get(name, _MISSING)
                 if was is not _MISSING and now.get(name, _MISSING) is not was:
@@ -765,11 +797,12 @@ class Guard:
                 return None          # the import system naming a library's cached code after its source
             return f"{key} (it would name the notebook's code after a library's file)"
         if key in ("_imp.create_builtin", "_imp.create_dynamic"):
-            spec = call[0] if call else None
-            name = spec.name if type(spec) is _SimpleNamespace else None
+            spec = _exact_keys(vars(call[0]), frozenset(("name", "origin"))) if (
+                call and type(call[0]) is _SimpleNamespace) else {}
+            name = spec.get("name")
             if key == "_imp.create_builtin" and type(name) is str and name not in _BUILTINS_HOLDING_GATES:
                 return None
-            if (key == "_imp.create_dynamic" and self._library_file(spec.origin) and type(name) is str
+            if (key == "_imp.create_dynamic" and self._library_file(spec.get("origin")) and type(name) is str
                     and not name.rpartition(".")[2].startswith(_TEST_EXTENSIONS)):
                 return None
             return f"{key} of {name} (a module whose functions the guard keeps)"
@@ -804,7 +837,7 @@ class Guard:
         name = _text(name)
         if id(module) not in self._module_ids or name is None or frame is None or self._grader_frame(frame.f_back):
             return None
-        namespace = vars(module)
+        namespace = _exact_keys(self._module_dicts[id(module)], frozenset((name,)))
         module_name = self._module_names[id(module)]
         if event == "gclab.guard.delattr":
             return f"deleting {module_name}.{name} (one of the grader's tools)" if name in namespace else None
@@ -861,17 +894,18 @@ class Guard:
         return _text(target.__qualname__) or "a function"
 
 
-def _same_tool(guard, what: str, now, was, getattr=getattr, isinstance=isinstance) -> bool:
+def _same_tool(guard, what: str, now, was) -> bool:
     """Is `now` still the tool `was`?  Outside gclab, a library may wrap its own function
-    (torch._dynamo wraps torch.manual_seed when an optimizer first runs): a wrapper whose
-    `__wrapped__` is the original, made by library code, is still the tool."""
+    (torch._dynamo wraps torch.manual_seed when an optimizer first runs): a function of library
+    code whose `__wrapped__` is the original is still the tool.  Nothing of `now` but a function's
+    own attributes is read: any other object's could be properties of the learner's, which would
+    run here, and claim any `__wrapped__` and `__code__`."""
     if now is was:
         return True
-    if what.startswith("gclab"):
+    if what.startswith("gclab") or type(now) is not _FunctionType:
         return False
-    inner = getattr(now, "__wrapped__", None) if not isinstance(now, _Missing) else None
-    code = getattr(now, "__code__", None)
-    return inner is was and code is not None and guard._library_file(code.co_filename)
+    inner = _exact_keys(now.__dict__, frozenset(("__wrapped__",))).get("__wrapped__")
+    return inner is was and guard._library_file(now.__code__.co_filename)
 
 
 def _read(getter):

@@ -207,6 +207,22 @@ def hostile(course, tmp_path_factory):
         "fspath_called_inside_the_hook": "import json, os, shutil, sys\ndef double(x):\n    return x + 1\n"
         "class Path:\n    def __fspath__(self):\n" + walks_to_the_token("sys._getframe(0)", " " * 8)
         + "        return 'nowhere'\nshutil.rmtree(Path(), ignore_errors=True)",
+        # a key of its own in a library module's globals, with the hash of a name the hook looks up there (one that
+        # traceback's code itself looks up only for a negative limit): the lookup would call its __eq__ inside the
+        # hook, where no event is judged
+        "key_compared_inside_the_hook": "import json, os, sys, traceback\ndef double(x):\n    return x + 1\n"
+        "class Key(str):\n    armed = False\n    def __hash__(self):\n        return hash('collections')\n"
+        "    def __eq__(self, other):\n        if Key.armed:\n" + walks_to_the_token("sys._getframe(0)", " " * 12)
+        + "        return False\n_module = vars(traceback)\n_value = _module.pop('collections')\n"
+        "_module[Key('k')] = None\n_module['collections'] = _value\nKey.armed = True\n"
+        "try:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.format_exc()",
+        # a tool replaced through a module's __dict__ by an object that claims to wrap it: the manifest's check would
+        # believe it, and run its __getattr__ where no event is judged
+        "claims_to_wrap_a_tool": "import gc, json, os, sys, traceback\ndef double(x):\n    return x + 1\n"
+        "class LooksWrapped:\n    __code__ = traceback.format_exc.__code__\n    def __getattr__(self, name):\n"
+        + walks_to_the_token("sys._getframe(0)", " " * 8) + "        return _original\n"
+        "    def __call__(self):\n        return _original()\n"
+        "_original = gc.get_stats\nvars(gc).update(get_stats=LooksWrapped())",
         # the verdict's own names and the libraries it used, rebound: json.dumps sees every result (and the token),
         # contextlib's redirect_stdout could swallow a self-check's AssertionError, _run_test could say "passed"
         "rewrites_results_in_json_dumps": "import json\n_dumps = json.dumps\n"
@@ -256,7 +272,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "token_read_from_a_summary_of_the_stack", "signal_handler_reads_the_grader_frames",
            "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook",
            "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names",
-           "step_that_calls_getframe_in_c", "torch_function_mode_left_active"]
+           "step_that_calls_getframe_in_c", "torch_function_mode_left_active", "key_compared_inside_the_hook",
+           "claims_to_wrap_a_tool"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -296,6 +313,8 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("rebinds_the_verdicts_own_names", "gclab.verdict._run_test was replaced"),
     ("step_that_calls_getframe_in_c", "sys._getframe by gclab/checks.py"),
     ("torch_function_mode_left_active", "a torch function mode the notebook's code entered is still active"),
+    ("key_compared_inside_the_hook", "sys._getframe"),
+    ("claims_to_wrap_a_tool", "gc.get_stats was replaced"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

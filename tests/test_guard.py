@@ -297,3 +297,94 @@ def test_library_functions_are_named_by_their_path_in_their_library(tmp_path):
         assert paths or importlib.util.find_spec(package) is None, f"{file} is not a file of {package}"
         if paths and function != "<lambda>":
             assert any(f"def {function}(" in open(path).read() for path in paths), (file, function)
+
+
+# Keys of the learner's own in the namespaces the guard reads (a str subclass with the hash of a name
+# the guard looks up, planted before that name): a lookup would call its __eq__ inside the hook, where
+# no event is judged, or inside the manifest's check, and hand it the grader's frames.
+KEYS_OF_ITS_OWN = ATTEMPT + textwrap.dedent('''
+    import _imp, gc, sys, traceback, types
+
+    def key_that_compares(name, route):
+        class KeyThatCompares(str):
+            def __hash__(self):
+                return hash(name)
+            def __eq__(self, other):
+                try:
+                    outcomes[route] = "a frame seen where no event is judged: " + repr(sys._getframe(0).f_back)
+                except RuntimeError:
+                    pass
+                return False
+        return KeyThatCompares("planted")
+
+    def plant(namespace, name, route):
+        outcomes[route] = "no code of the learner's ran unjudged"
+        value = namespace.pop(name)
+        namespace[key_that_compares(name, route)] = None
+        namespace[name] = value
+
+    def uproot(namespace):
+        for key in [key for key in namespace if type(key) is not str]:
+            del namespace[key]
+
+    def traceback_formatted():
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            traceback.format_exc()
+
+    plant(vars(traceback), "linecache", "a key of its own in a library's globals")
+    attempt("a traceback formatted", traceback_formatted)
+    uproot(vars(traceback))
+
+    plant(vars(gc), "collect", "a key of its own in a guarded module")
+    attempt("a guarded module's attribute set", lambda: setattr(gc, "collect", gc.collect))
+    uproot(vars(gc))
+
+    spec = types.SimpleNamespace(origin=None)
+    vars(spec)["name"] = "_signal"
+    plant(vars(spec), "name", "a key of its own in a spec")
+    # the gate hands the hook a plain copy of the spec; the learner's code may raise the gate's event itself
+    attempt("a builtin module made from the spec", lambda: sys.audit("gclab.guard.gate", "_imp.create_builtin", (spec,), []))
+
+    plant(sys.modules, "gc", "a key of its own in sys.modules")
+
+    class LooksWrapped:
+        __code__ = traceback.format_exc.__code__
+        def __getattr__(self, name):
+            try:
+                outcomes["the replacement's own code, run by the manifest's check"] = repr(sys._getframe(0).f_back)
+            except RuntimeError:
+                pass
+            return gc.get_stats
+        def __call__(self):
+            return []
+    vars(gc)["get_stats"] = LooksWrapped()
+    traceback.StackSummary.extract.__func__.__kwdefaults__["capture_locals"] = True
+''')
+
+
+@pytest.fixture(scope="module")
+def own_keys(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grading")
+    (workdir / "learner.py").write_text(KEYS_OF_ITS_OWN)
+    done = subprocess.run([sys.executable, "-c", GRADER, str(workdir)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("route", ["a key of its own in a library's globals", "a key of its own in a guarded module",
+                                   "a key of its own in a spec", "a key of its own in sys.modules"])
+def test_a_key_of_the_learners_own_runs_nothing_where_no_event_is_judged(own_keys, route):
+    assert own_keys["outcomes"][route] == "no code of the learner's ran unjudged"
+
+
+def test_a_replacement_that_claims_to_wrap_the_tool_is_listed_and_not_run(own_keys):
+    """A library's wrapper of its own function (`__wrapped__`, library code) is still the tool; an object
+    that claims the same through attributes of its own is neither believed nor asked."""
+    assert "the replacement's own code, run by the manifest's check" not in own_keys["outcomes"]
+    assert "gc.get_stats was replaced" in own_keys["problems"]
+
+
+def test_keyword_defaults_changed_in_place_are_listed(own_keys):
+    assert "traceback.StackSummary.extract.__kwdefaults__['capture_locals'] was replaced" in own_keys["problems"]
