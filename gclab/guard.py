@@ -80,9 +80,8 @@ _FRAME_PASSING_ON = frozenset({("inspect.py", "stack"), ("inspect.py", "trace"),
                                ("inspect.py", "getinnerframes")})
 # The library functions known to read a frame for their own use and to hand back nothing of it but
 # names and lines (a summary of a traceback, a warning's module, a logger's caller), and to hand the
-# frame itself to no function the learner's code could have rebound (traceback.extract_stack passes it
-# to the module's walk_stack, logging with stack_info to traceback.print_stack: not listed).  A frame
-# read for any other function while the learner's code runs is refused.
+# frame itself to no function the learner's code could have rebound.  A frame read for any other
+# function while the learner's code runs is refused.
 _FRAME_SUMMARIES = frozenset({("traceback.py", "_extract_from_extended_frame_gen"), ("traceback.py", "clear_frames"),
                               ("logging/__init__.py", "findCaller"), ("typing.py", "_caller"), ("enum.py", "_create_"),
                               ("collections/__init__.py", "namedtuple"),
@@ -94,8 +93,13 @@ _FRAME_SUMMARIES = frozenset({("traceback.py", "_extract_from_extended_frame_gen
                               ("torch/_refs/__init__.py", "_make_alias"),
                               ("torch/_jit_internal.py", "get_class_name_lineno")})
 # ... the value each of those must hold in a local for it to be one (a traceback summary without the
-# frames' locals; a logger's caller without its stack):
+# frames' locals; a logger's caller without its stack, unless the stack's summary is kept, below):
 _FRAME_SUMMARY_CONDITIONS = (("_extract_from_extended_frame_gen", "capture_locals"), ("findCaller", "stack_info"))
+# Those that summarise the caller's stack: they pass its frames on (extract_stack to walk_stack, then to
+# StackSummary.extract, whose summary reads each frame's globals through linecache.lazycache), so each is
+# one only while all the code the frames reach is what it was (`Guard._stack_summary_kept`).
+_STACK_SUMMARIES = frozenset({("traceback.py", "print_stack"), ("traceback.py", "format_stack"),
+                              ("traceback.py", "extract_stack")})
 # ... and those that use the locals of the frame they read, or of its caller (IPython expanding {names} in
 # a magic's line, numpy's np.r_["..."] and bmat, a multiple-dispatch decorator in a class body): allowed
 # unless that frame is gclab's or the grader's.
@@ -335,6 +339,25 @@ def _exact_keys(namespace, names=None) -> dict:
     return {key: value for key, value in list(items) if type(key) is str and (names is None or key in names)}
 
 
+def _same_entries(namespace, taken: dict) -> bool:
+    """Does `namespace` hold, by identity, the entries of `taken` (a copy made with `_exact_keys`), and no
+    other exact-str key?"""
+    now = _exact_keys(namespace)
+    return len(now) == len(taken) and all(now.get(key, _MISSING) is value for key, value in taken.items())
+
+
+def _stack_summary_code() -> tuple:
+    """The functions a stack's frames reach when traceback summarises it, each with its code and
+    defaults as they are now, and the classes of the summary with copies of their namespaces."""
+    import linecache
+    import traceback
+    functions = [traceback.print_stack, traceback.format_stack, traceback.extract_stack, traceback.walk_stack,
+                 traceback.StackSummary.extract.__func__, traceback.StackSummary._extract_from_extended_frame_gen.__func__,
+                 traceback.FrameSummary.__init__, linecache.lazycache]
+    return (tuple((f, f.__code__, f.__defaults__, _exact_keys(f.__kwdefaults__ or {})) for f in functions),
+            tuple((vars(c), _exact_keys(vars(c))) for c in (traceback.StackSummary, traceback.FrameSummary)))
+
+
 def _type_name(value) -> str:
     return type.__dict__["__name__"].__get__(type(value))
 
@@ -375,6 +398,7 @@ class Guard:
         self._memory_file, self._memory_folders = _MEMORY_FILES.fullmatch, _MEMORY_FOLDERS
         # taken by install(), once the gates are in place
         self._manifest, self._snapshots, self._module_snapshots = [], {}, {}
+        self._stack_functions, self._stack_classes = (), ()
 
     def _take_stock(self) -> None:
         """The manifest of the tools, and every imported module's globals as they are now (before any
@@ -383,6 +407,7 @@ class Guard:
         modules = [module for module in list(sys.modules.values()) if isinstance(module, types.ModuleType)]
         self._snapshots = {id(vars(module)): (vars(module), dict(vars(module))) for module in modules}
         self._module_snapshots = {id(module): self._snapshots[id(vars(module))] for module in modules}
+        self._stack_functions, self._stack_classes = _stack_summary_code()
 
     # -- what the grader's tools are -------------------------------------------------------
     @staticmethod
@@ -558,11 +583,14 @@ class Guard:
         if reader is None or not self._unchanged(reader):
             return False
         where = self._where(reader)
+        if where in _STACK_SUMMARIES:
+            return self._stack_summary_kept()
         if where in _FRAME_SUMMARIES:
             for function, local in _FRAME_SUMMARY_CONDITIONS:
                 if where[1] == function:
                     value = reader.f_locals.get(local)
-                    return value is None or value is False
+                    # a logger's stack (stack_info) is printed by traceback.print_stack
+                    return value is None or value is False or (function == "findCaller" and self._stack_summary_kept())
             return True
         if where in _CALLER_LOCALS_READERS and frame is not None:
             frame = frame.f_back
@@ -571,21 +599,30 @@ class Guard:
         return frame is not None and not self._grader_own(frame)
 
     def _unchanged(self, frame) -> bool:
-        """Does library code run with its own module's globals, and are the names its code uses, in
-        those globals and in the modules they name, what they were when the guard was installed?  A
-        helper rebound through a module's __dict__ (linecache.lazycache, logging._is_internal_frame)
-        would be handed what the code reads; a copy of the code run with other globals would be too."""
-        live = frame.f_globals
-        taken = self._snapshots.get(id(live))
-        if taken is None or taken[0] is not live:
+        """Does library code run with its own module's globals and the builtins, and are the names its
+        code uses, in those globals, in the builtins and in the modules they name, what they were when
+        the guard was installed?  A helper rebound through a module's __dict__ (linecache.lazycache,
+        logging._is_internal_frame), or a builtin rebound in builtins' or shadowed by a global of the
+        same name (objgraph passes its frame to `id`), would be handed what the code reads; a copy of
+        the code run with other globals would be too."""
+        return self._names_unchanged(frame.f_code, frame.f_globals, frame.f_builtins)
+
+    def _names_unchanged(self, code, live, live_builtins) -> bool:
+        taken, builtins_taken = self._snapshots.get(id(live)), self._snapshots.get(id(live_builtins))
+        if taken is None or taken[0] is not live or builtins_taken is None or builtins_taken[0] is not live_builtins:
             return False
-        names = frame.f_code.co_names
-        pairs = [(live, taken[1])]
+        names = code.co_names
+        wanted = frozenset(names)
+        own = _exact_keys(live, wanted)
+        for name in names:
+            was = taken[1].get(name, _MISSING)
+            if own.get(name, _MISSING) is not was and (was is not _MISSING or name in builtins_taken[1]):
+                return False
+        pairs = [builtins_taken]
         for name in names:
             module_taken = self._module_snapshots.get(id(taken[1].get(name, _MISSING)))
             if module_taken is not None:
                 pairs.append(module_taken)
-        wanted = frozenset(names)
         for live_namespace, then in pairs:
             now = _exact_keys(live_namespace, wanted)
             for name in names:
@@ -593,6 +630,19 @@ class Guard:
                 if was is not _MISSING and now.get(name, _MISSING) is not was:
                     return False
         return True
+
+    def _stack_summary_kept(self) -> bool:
+        """Is the code that traceback.print_stack, format_stack and extract_stack (and logging, for
+        stack_info) hand the frames to as it was when the guard was installed: the functions that walk
+        and summarise a stack (`_STACK_SUMMARY_FUNCTIONS`), with their defaults and the names they use,
+        and the classes they build the summary with?  Then the frames reach no code but theirs, and only
+        names and lines come back (without the frames' locals: capture_locals is a keyword default)."""
+        for function, code, defaults, kwdefaults in self._stack_functions:
+            if (function.__code__ is not code or function.__defaults__ is not defaults
+                    or not _same_entries(function.__kwdefaults__ or {}, kwdefaults)
+                    or not self._names_unchanged(code, function.__globals__, function.__builtins__)):
+                return False
+        return all(_same_entries(namespace, taken) for namespace, taken in self._stack_classes)
 
     def _read_while_importing(self, reader, read) -> bool:
         """Is `read` a frame of a library module's import, read by that import's own code, and kept by it:

@@ -131,6 +131,9 @@ def hostile(course, tmp_path_factory):
         "right": "def double(x):\n    return 2 * x",
         "imports_the_tools_again": "import gc\nfrom gclab import checks\ndef double(x):\n    return 2 * x",
         "untouched": "raise NotImplementedError()",
+        # debugging left in: who calls double, printed with traceback and logging
+        "prints_its_stack": "import logging, traceback\ndef double(x):\n    traceback.print_stack()\n"
+                            "    logging.getLogger('mine').warning('called', stack_info=True)\n    return 2 * x",
         "loops_forever": "def double(x):\n    return 2 * x\nwhile True:\n    pass",
         "loops_forever_ignoring_interrupts": IGNORES_INTERRUPTS,
         "kills_its_process": "import os\nos._exit(1)",
@@ -216,6 +219,13 @@ def hostile(course, tmp_path_factory):
         + "        return False\n_module = vars(traceback)\n_value = _module.pop('collections')\n"
         "_module[Key('k')] = None\n_module['collections'] = _value\nKey.armed = True\n"
         "try:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.format_exc()",
+        # a library function allowed to read its own frame (objgraph's _find_chain) hands it to `id`, a builtin: one
+        # shadowed by a global of the learner's in objgraph's module is handed the frame
+        "frame_through_a_builtin_shadowed_in_a_library": "import json, objgraph, os\ndef double(x):\n    return x + 1\n"
+        "class Stolen(Exception):\n    pass\ndef _id(obj):\n    if type(obj).__name__ == 'frame':\n"
+        + walks_to_the_token("obj", " " * 8) + "        raise Stolen\n    return id(obj)\n"
+        "vars(objgraph)['id'] = _id\ntry:\n    objgraph.find_backref_chain(object(), lambda found: False, max_depth=1)\n"
+        "except Stolen:\n    pass\ndel vars(objgraph)['id']",
         # a tool replaced through a module's __dict__ by an object that claims to wrap it: the manifest's check would
         # believe it, and run its __getattr__ where no event is judged
         "claims_to_wrap_a_tool": "import gc, json, os, sys, traceback\ndef double(x):\n    return x + 1\n"
@@ -273,7 +283,7 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook",
            "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names",
            "step_that_calls_getframe_in_c", "torch_function_mode_left_active", "key_compared_inside_the_hook",
-           "claims_to_wrap_a_tool"]
+           "claims_to_wrap_a_tool", "frame_through_a_builtin_shadowed_in_a_library"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -284,6 +294,12 @@ def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
 
 def test_importing_the_set_up_cells_tools_again_is_not_tampering(hostile):
     result = hostile["results"]["imports_the_tools_again"]
+    assert result.score == 2, grading.format_results([result])
+
+
+def test_printing_the_stack_is_not_tampering(hostile):
+    """traceback.print_stack and logging's stack_info read the grader's frames, and print only their names and lines."""
+    result = hostile["results"]["prints_its_stack"]
     assert result.score == 2, grading.format_results([result])
 
 
@@ -315,6 +331,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("torch_function_mode_left_active", "a torch function mode the notebook's code entered is still active"),
     ("key_compared_inside_the_hook", "sys._getframe"),
     ("claims_to_wrap_a_tool", "gc.get_stats was replaced"),
+    ("frame_through_a_builtin_shadowed_in_a_library", "sys._getframe by objgraph.py:_find_chain"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

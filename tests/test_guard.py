@@ -169,7 +169,6 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     attempt("currentframe through a mock", lambda: __import__("unittest.mock").mock.Mock(side_effect=inspect.currentframe)())
     attempt("walk_tb through heapq.merge", lambda: list(heapq.merge(traceback.walk_tb(caught()))))
     attempt("getinnerframes in a thread pool", thread_pool_frames)
-    attempt("a logger's caller with its stack", lambda: __import__("logging").getLogger("x").warning("x", stack_info=True))
     attempt("summary with captured locals", lambda: traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True))
     attempt("a module of the notebook's own from its cached bytecode", own_module_from_its_bytecode)
     attempt("code renamed as gclab's", lambda: __import__("_imp")._fix_co_filename(
@@ -186,9 +185,53 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     vars(builtins)["type"] = lambda *args: str
     attempt("the guard's own names rebound", lambda: sys._getframe(0))
     vars(builtins)["type"] = real_type
+
+    # What summarises the stack, or reads a frame for its own use, while code it hands the frames to is the
+    # learner's: a stand-in of the learner's records what it was handed.
+    import io, linecache, logging, objgraph
+    handed = outcomes["what the learner's stand-ins were handed"] = []
+
+    def stand_in(original):
+        def spy(*args, **kwargs):
+            handed.extend(type(a).__name__ for a in args              # a frame, frames, a module's globals
+                          if type(a).__name__ in ("frame", "generator") or (type(a) is dict and "__name__" in a))
+            return original(*args, **kwargs)
+        return spy
+
+    def while_replaced(namespace, name, replacement, route, action):
+        original = namespace[name]
+        namespace[name] = replacement
+        try:
+            attempt(route, action)
+        finally:
+            namespace[name] = original
+
+    def print_stack():
+        traceback.print_stack(file=io.StringIO())
+
+    while_replaced(vars(traceback), "walk_stack", stand_in(traceback.walk_stack), "print_stack, walk_stack rebound",
+                   print_stack)
+    while_replaced(vars(linecache), "lazycache", stand_in(linecache.lazycache), "format_stack, lazycache rebound",
+                   traceback.format_stack)
+    while_replaced(vars(builtins), "set", stand_in(set), "extract_stack, a builtin rebound", traceback.extract_stack)
+    while_replaced(vars(traceback), "print_stack", stand_in(traceback.print_stack), "a logger's stack, print_stack rebound",
+                   lambda: logging.getLogger("x").warning("x", stack_info=True))
+    extract = traceback.StackSummary.__dict__["_extract_from_extended_frame_gen"]
+    traceback.StackSummary._extract_from_extended_frame_gen = classmethod(stand_in(extract.__func__))
+    attempt("print_stack, a class member replaced", print_stack)
+    traceback.StackSummary._extract_from_extended_frame_gen = extract
+    defaults = traceback.StackSummary.extract.__func__.__kwdefaults__
+    defaults["capture_locals"] = True
+    attempt("print_stack, its locals captured by default", print_stack)
+    defaults["capture_locals"] = False
+    chain = lambda: objgraph.find_backref_chain(object(), lambda found: False, max_depth=1)
+    vars(objgraph)["id"] = stand_in(id)
+    attempt("objgraph, a builtin it calls shadowed in its globals", chain)
+    del vars(objgraph)["id"]
+    while_replaced(vars(builtins), "id", stand_in(id), "objgraph, a builtin it calls rebound", chain)
 ''')
 HONEST = textwrap.dedent('''
-    import asyncio, collections, enum, logging, traceback, warnings
+    import asyncio, collections, enum, io, logging, traceback, warnings
     import numpy, typing_extensions
 
     async def answer():
@@ -207,6 +250,10 @@ HONEST = textwrap.dedent('''
         traceback.clear_frames(caught())
         numpy.r_["0,2", [1, 2], [3, 4]]
         asyncio.run(answer())
+        traceback.print_stack(file=io.StringIO())
+        traceback.format_stack(limit=-2)
+        outcomes["the stack's last frame"] = traceback.extract_stack()[-1].name
+        logging.getLogger("honest").warning("a warning with its stack", stack_info=True)
 
     attempt("libraries that read frames for their own use", library_uses)
 ''')
@@ -232,7 +279,14 @@ def routes(tmp_path_factory):
     ("walk_tb through heapq.merge", "reading traceback.tb_frame by traceback.py:walk_tb"),
     ("getinnerframes in a thread pool", "reading traceback.tb_frame by inspect.py"),
     ("summary with captured locals", "sys._getframe by traceback.py:walk_stack"),
-    ("a logger's caller with its stack", "sys._getframe by logging/__init__.py:<lambda> for logging/__init__.py:findCaller"),
+    ("print_stack, walk_stack rebound", "sys._getframe by traceback.py:print_stack"),
+    ("format_stack, lazycache rebound", "sys._getframe by traceback.py:format_stack"),
+    ("extract_stack, a builtin rebound", "sys._getframe by traceback.py:extract_stack"),
+    ("a logger's stack, print_stack rebound", "sys._getframe by logging/__init__.py:<lambda> for logging/__init__.py:findCaller"),
+    ("print_stack, a class member replaced", "sys._getframe by traceback.py:print_stack"),
+    ("print_stack, its locals captured by default", "sys._getframe by traceback.py:print_stack"),
+    ("objgraph, a builtin it calls shadowed in its globals", "sys._getframe by objgraph.py:_find_chain"),
+    ("objgraph, a builtin it calls rebound", "sys._getframe by objgraph.py:_find_chain"),
     ("a module of the notebook's own from its cached bytecode", "marshal.loads (code loaded from bytes could be any"),
     ("code renamed as gclab's", "_imp._fix_co_filename (it would name the notebook's code after a library's file)"),
     ("code named as a frozen module", "compile of code that claims to be <frozen importlib._bootstrap>"),
@@ -260,6 +314,12 @@ def test_the_hook_runs_none_of_the_learners_code(routes):
 
 def test_libraries_that_read_frames_for_their_own_use_still_work(routes):
     assert routes["outcomes"]["libraries that read frames for their own use"] == "allowed"
+    assert routes["outcomes"]["the stack's last frame"] == "library_uses"
+
+
+def test_no_stand_in_of_the_learners_is_handed_a_frame(routes):
+    """Every route above that rebinds what a frame would be handed to is refused before the frame is read."""
+    assert routes["outcomes"]["what the learner's stand-ins were handed"] == []
 
 
 def test_a_library_imported_for_the_learner_may_read_the_frames_of_its_own_import(tmp_path):
