@@ -28,16 +28,17 @@ __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare
            "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
-# notebook's locked set-up cell imports it before any student code runs).
-_ORIGINALS = {
+# notebook's locked set-up cell imports it before any student code runs); read-only, so that
+# no entry can be changed in place to match a replacement.
+_ORIGINALS = types.MappingProxyType({
     "gc.collect": gc.collect, "gc.disable": gc.disable, "gc.enable": gc.enable,
     "gc.isenabled": gc.isenabled, "gc.get_count": gc.get_count,
     "gc.get_threshold": gc.get_threshold, "gc.set_threshold": gc.set_threshold,
     "gc.set_debug": gc.set_debug, "gc.get_debug": gc.get_debug, "gc.garbage": gc.garbage,
     "gc.callbacks": gc.callbacks, "time.perf_counter": time.perf_counter,
     "weakref.finalize": weakref.finalize, "torch.OutOfMemoryError": torch.OutOfMemoryError,
-}
-_OWN = {}   # filled at the end of the module: this module's own functions
+})
+_OWN = types.MappingProxyType({})   # set at the end of the module: this module's own functions
 
 
 def _current(name):
@@ -1053,6 +1054,7 @@ def assert_policy(report: PolicyReport) -> None:
     assert report.ok, report.explain()
 
 
-_OWN.update({name: globals()[name] for name in
-             ("run_flat_check", "assert_flat", "compare", "assert_matches", "plain", "integrity_problems",
-              "assert_untampered", "run_policy_check", "assert_policy", "sealed_call")})
+_OWN = types.MappingProxyType({name: globals()[name] for name in
+                               ("run_flat_check", "assert_flat", "compare", "assert_matches", "plain",
+                                "integrity_problems", "assert_untampered", "run_policy_check", "assert_policy",
+                                "sealed_call")})

@@ -419,6 +419,16 @@ def test_integrity_problems_names_several_replacements(monkeypatch):
     monkeypatch.setattr(torch, "OutOfMemoryError", RuntimeError)
     assert set(integrity_problems()) == {"gc.disable", "torch.OutOfMemoryError"}
 
+
+def test_what_integrity_is_judged_against_cannot_be_changed_to_match_a_replacement(monkeypatch):
+    fake = lambda *args: 0
+    monkeypatch.setattr(gc, "collect", fake)
+    with pytest.raises(TypeError):
+        checks._ORIGINALS["gc.collect"] = fake
+    with pytest.raises(TypeError):
+        checks._OWN["compare"] = None
+    assert integrity_problems() == ["gc.collect"]
+
 # run_policy_check's verdict is tested in tests/test_serving.py, beside the server it reads.
 
 
