@@ -981,14 +981,17 @@ class PolicyReport:
         return "\n".join(lines)
 
 
-def _busy_machine(report: PolicyReport, baseline, policy_runs) -> str | None:
-    """Why the runs say the machine was too busy to judge what failed, or None."""
+def _busy_machine(report: PolicyReport, baseline, policy_runs, acts_when_idle: bool = True) -> str | None:
+    """Why the runs say the machine was too busy to judge what failed, or None.  `acts_when_idle`:
+    does the policy have a hook that runs between requests (`_acts_when_idle`)?  One that has none
+    lost nothing when the server was never idle."""
     load, failing = baseline.load, {name for name, ok in report.checks.items() if not ok}
     if load.failed:
         return (f"with the collector off, the same server left {load.failed} of {len(load.status)} requests "
                 "unanswered: the machine was too busy to judge a policy; grade again on a quieter machine")
     idle = [run.trace.idle_moments() for run in policy_runs]
-    if failing & {"garbage bounded", "full collections while serving"} and max(idle) < MIN_IDLE_MOMENTS:
+    if (acts_when_idle and failing & {"garbage bounded", "full collections while serving"}
+            and max(idle) < MIN_IDLE_MOMENTS):
         return (f"the server found no request in flight only {max(idle)} time(s) while the load ran with your policy "
                 "(the reference policy finds 4 to 6 on a quiet machine of two cores): the machine was too busy for "
                 "the server to keep up, so a policy that collects when the server is idle got no chance; grade "
@@ -998,6 +1001,17 @@ def _busy_machine(report: PolicyReport, baseline, policy_runs) -> str | None:
                 f"10 ms, expected at most {BUSY_BASELINE_P99_MS:g} ms): the machine was too busy to judge; grade "
                 "again on a quieter machine")
     return None
+
+
+def _acts_when_idle(policy) -> bool:
+    """Does the policy file name a hook that runs between requests (on_idle, after_request)?  Read from
+    its source: True when it cannot be read, so that a busy machine is blamed no less than before."""
+    try:
+        with open(policy) as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError):
+        return True
+    return "on_idle" in source or "after_request" in source
 
 
 def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_objects: int = 300_000,
@@ -1042,7 +1056,7 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_ob
         report = judged(runs, first_failures=failed)
         if report.ok or report.failed_by_facts():
             return report
-        busy = _busy_machine(report, off_run, [first["your policy"], again])
+        busy = _busy_machine(report, off_run, [first["your policy"], again], _acts_when_idle(policy))
         return judged(runs, first_failures=failed, inconclusive_reason=busy) if busy else report
 
 

@@ -482,6 +482,20 @@ def test_a_server_never_idle_under_load_makes_a_garbage_failure_inconclusive(mon
         assert_policy(report)
 
 
+def test_a_policy_with_no_hook_between_requests_is_not_excused_by_a_server_never_idle(monkeypatch, tmp_path):
+    """Idle moments are a policy's chance only if it acts between requests (on_idle, after_request): without
+    such a hook its failure is its own, however busy the machine (seen in CI: thresholds raised alone was
+    told the machine was too busy)."""
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    policy = tmp_path / "my_policy.py"
+    policy.write_text("import gc\n\ndef on_startup():\n    gc.set_threshold(50_000)\n")
+    late = dict(peak=90, freed=[200.0], idle=[])
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(**late), _run(), _run(**late)]))
+    report = run_policy_check(str(policy))
+    assert report.verdict == "fail" and not report.inconclusive
+
+
 def test_a_busy_collector_off_run_makes_unanswered_requests_inconclusive(monkeypatch):
     import gclab.serving
     from gclab.checks import run_policy_check
