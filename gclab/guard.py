@@ -634,7 +634,7 @@ class Guard:
     def _stack_summary_kept(self) -> bool:
         """Is the code that traceback.print_stack, format_stack and extract_stack (and logging, for
         stack_info) hand the frames to as it was when the guard was installed: the functions that walk
-        and summarise a stack (`_STACK_SUMMARY_FUNCTIONS`), with their defaults and the names they use,
+        and summarise a stack (`_stack_summary_code`), with their defaults and the names they use,
         and the classes they build the summary with?  Then the frames reach no code but theirs, and only
         names and lines come back (without the frames' locals: capture_locals is a keyword default)."""
         for function, code, defaults, kwdefaults in self._stack_functions:
