@@ -148,6 +148,7 @@ _GATED = (("_signal", "signal"), ("_imp", "create_builtin"), ("_imp", "create_dy
 # Library signal handlers that ignore the frame they are handed (uvicorn's, installed while a server runs)
 _SIGNAL_HANDLERS = frozenset({("uvicorn/server.py", "handle_exit")})
 _GATE_EVENT = "gclab.guard.gate"
+_GUARD_FILE = __file__      # the hook tells its own code's events by the file their code was compiled from
 _BUILTINS_HOLDING_GATES = frozenset({"_signal", "_imp"})
 # CPython's own test extensions (in the standard library's folder): C functions that poke at the interpreter
 _TEST_EXTENSIONS = ("_test", "_ctypes_test", "_xxtestfuzz", "_xxsubinterpreters", "xxsubtype", "xxlimited")
@@ -688,20 +689,39 @@ class Guard:
         for module in self._modules.values():
             if type(module) is types.ModuleType:
                 module.__class__ = _LockedModule
-        getframe, busy = sys._getframe, self._busy
+        import gc
+        getframe, busy, own_file = sys._getframe, self._busy, _GUARD_FILE
+        collecting, stop_collecting, collect_again = gc.isenabled, gc.disable, gc.enable
+        module_setters = (_LockedModule.__setattr__.__code__, _LockedModule.__delattr__.__code__)
 
+        # While the hook judges an event (or `replaced` reads the manifest), events come back here: those the
+        # guard's own code raises (reading a frame, resolving a path) are let through; any other was raised by
+        # code that ran inside the judging (a finalizer, a gc.callbacks callback, run by a collection that an
+        # allocation of the hook's started) and is judged like any event, with the collector off meanwhile so
+        # that no code of the learner's runs inside that judging in turn.
         def hook(event, args):
-            if getattr(busy, "depth", 0):
+            depth = getattr(busy, "depth", 0)
+            if depth > 1:
                 return
-            busy.depth = 1
+            busy.depth = depth + 1
+            collector_was_on = depth > 0 and collecting()
+            if collector_was_on:
+                stop_collecting()           # before anything is allocated here (reading a frame makes one)
             try:
                 try:
                     frame = getframe(1)
                 except ValueError:          # an event raised with no Python frame above it
                     frame = None
+                if depth:
+                    code = frame.f_code if frame is not None else None
+                    if (code is not None and code.co_filename == own_file and code is not module_setters[0]
+                            and code is not module_setters[1]):
+                        return
                 refusal = self._judge(event, args, frame)
             finally:
-                busy.depth = 0
+                if collector_was_on:
+                    collect_again()
+                busy.depth = depth
             if refusal:
                 self.refused.append(refusal)
                 error = (AttributeError if event in _MODULE_EVENTS else

@@ -226,6 +226,17 @@ def hostile(course, tmp_path_factory):
         + walks_to_the_token("obj", " " * 8) + "        raise Stolen\n    return id(obj)\n"
         "vars(objgraph)['id'] = _id\ntry:\n    objgraph.find_backref_chain(object(), lambda found: False, max_depth=1)\n"
         "except Stolen:\n    pass\ndel vars(objgraph)['id']",
+        # a collector callback (added where no line spells gc.callbacks.append), run by a collection that an allocation
+        # of the hook's started, inside the hook, where no event was judged: the grader's frames, then the guard's
+        # record of refusals cleared through them
+        "collector_callback_inside_the_hook": "import gc, json, os, sys, traceback\ndef double(x):\n    return x + 1\n"
+        "_won = []\ndef _callback(phase, info):\n    if _won:\n        return\n    try:\n"
+        "        f = sys._getframe(1)\n    except Exception:\n        return\n    _won.append(f)\n"
+        "    g = f\n    while g is not None:\n        if g.f_code.co_name == 'hook' and 'self' in g.f_locals:\n"
+        "            g.f_locals['self'].refused.clear()\n        g = g.f_back\n"
+        + walks_to_the_token("f", " " * 4) + "_callbacks = gc.callbacks\n_callbacks.append(_callback)\n"
+        "gc.set_threshold(1)\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.format_exc()\n"
+        "gc.set_threshold(700)\n_callbacks.remove(_callback)",
         # a tool replaced through a module's __dict__ by an object that claims to wrap it: the manifest's check would
         # believe it, and run its __getattr__ where no event is judged
         "claims_to_wrap_a_tool": "import gc, json, os, sys, traceback\ndef double(x):\n    return x + 1\n"
@@ -283,7 +294,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "frames_through_singledispatch", "rebinds_the_guards_own_names", "fspath_called_inside_the_hook",
            "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names",
            "step_that_calls_getframe_in_c", "torch_function_mode_left_active", "key_compared_inside_the_hook",
-           "claims_to_wrap_a_tool", "frame_through_a_builtin_shadowed_in_a_library"]
+           "claims_to_wrap_a_tool", "frame_through_a_builtin_shadowed_in_a_library",
+           "collector_callback_inside_the_hook"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -332,6 +344,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("key_compared_inside_the_hook", "sys._getframe"),
     ("claims_to_wrap_a_tool", "gc.get_stats was replaced"),
     ("frame_through_a_builtin_shadowed_in_a_library", "sys._getframe by objgraph.py:_find_chain"),
+    ("collector_callback_inside_the_hook", "sys._getframe"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

@@ -448,3 +448,51 @@ def test_a_replacement_that_claims_to_wrap_the_tool_is_listed_and_not_run(own_ke
 
 def test_keyword_defaults_changed_in_place_are_listed(own_keys):
     assert "traceback.StackSummary.extract.__kwdefaults__['capture_locals'] was replaced" in own_keys["problems"]
+
+
+# Code the collector runs (a gc.callbacks callback, a finalizer) while an allocation of the hook's
+# started a collection: inside the hook, where the guard's own events are let through.
+COLLECTED_INSIDE_THE_HOOK = ATTEMPT + textwrap.dedent('''
+    import gc, sys, traceback
+    seen = outcomes["frames seen inside the hook"] = []
+
+    def reach():
+        try:
+            seen.append(sys._getframe(1).f_code.co_name)
+        except (RuntimeError, ValueError):
+            pass
+
+    class Garbage:
+        def __init__(self):
+            self.me = self
+        def __del__(self):
+            reach()
+
+    def callback(phase, info):
+        reach()
+
+    def formatted_often():
+        for _ in range(20):
+            Garbage()
+            try:
+                1 / 0
+            except ZeroDivisionError:
+                traceback.format_exc()
+
+    callbacks = gc.callbacks
+    callbacks.append(callback)
+    gc.set_threshold(1)
+    attempt("tracebacks formatted, a collection at every allocation", formatted_often)
+    gc.set_threshold(700)
+    callbacks.remove(callback)
+''')
+
+
+def test_code_a_collection_runs_inside_the_hook_is_judged(tmp_path):
+    (tmp_path / "learner.py").write_text(COLLECTED_INSIDE_THE_HOOK)
+    done = subprocess.run([sys.executable, "-c", GRADER, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    attacked = json.loads(done.stdout.splitlines()[-1])
+    assert attacked["outcomes"]["frames seen inside the hook"] == []
+    assert attacked["outcomes"]["tracebacks formatted, a collection at every allocation"] == "allowed"
+    assert "sys._getframe (a frame of the grader's code, handed to the learner's)" in attacked["problems"]
