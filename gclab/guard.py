@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import itertools
 import operator
 import os
 import re
@@ -325,19 +326,29 @@ def _text(value):
     return None
 
 
-def _exact_keys(namespace, names=None) -> dict:
-    """`namespace` (a dict, or the mappingproxy of a class the guard took), or its entries named in
-    `names` (a frozenset of exact strs), copied with its exact-str keys only.  Looking a name up in
-    the live namespace would compare it with any key of the learner's own there (a str subclass
-    whose __eq__ would then run inside the hook, where no event is judged); copying runs no method
-    of a key or a value, and no other thread's code runs while it does."""
+# Functions in C the hook reads namespaces with, bound now (a module's names could be rebound later)
+_first, _is, _compress, _repeat = operator.itemgetter(0), operator.is_, itertools.compress, itertools.repeat
+
+
+def _keys_of(namespace):
+    """The keys of `namespace` (a dict, or the mappingproxy of a class the guard took), iterated in C
+    whatever the namespace's own type says; None for anything else."""
     if issubclass(type(namespace), dict):
-        items = dict.items(namespace)
-    elif type(namespace) is _MappingProxyType:
-        items = namespace.items()
-    else:
+        return dict.keys(namespace)
+    return namespace.keys() if type(namespace) is _MappingProxyType else None
+
+
+def _exact_keys(namespace, names=None) -> dict:
+    """`namespace`, or its entries named in `names` (a frozenset of exact strs), copied with its exact-str
+    keys only, in C: no method of a key or a value runs (looking a name up in a namespace that holds a
+    key of the learner's own, a str subclass with the name's hash, would run its __eq__), and no other
+    thread's code runs meanwhile."""
+    keys = _keys_of(namespace)
+    if keys is None:
         return {}
-    return {key: value for key, value in list(items) if type(key) is str and (names is None or key in names)}
+    items = list(dict.items(namespace) if issubclass(type(namespace), dict) else namespace.items())
+    exact = dict(_compress(items, map(_is, map(type, map(_first, items)), _repeat(str))))
+    return exact if names is None else {name: exact[name] for name in names if name in exact}
 
 
 def _same_entries(namespace, taken: dict) -> bool:
@@ -612,20 +623,19 @@ class Guard:
         taken, builtins_taken = self._snapshots.get(id(live)), self._snapshots.get(id(live_builtins))
         if taken is None or taken[0] is not live or builtins_taken is None or builtins_taken[0] is not live_builtins:
             return False
+        # names looked up directly: a key of the learner's own there runs its __eq__ inside the hook, where
+        # whatever it raises is judged (see `_arm`)
         names = code.co_names
-        wanted = frozenset(names)
-        own = _exact_keys(live, wanted)
         for name in names:
             was = taken[1].get(name, _MISSING)
-            if own.get(name, _MISSING) is not was and (was is not _MISSING or name in builtins_taken[1]):
+            if live.get(name, _MISSING) is not was and (was is not _MISSING or name in builtins_taken[1]):
                 return False
         pairs = [builtins_taken]
         for name in names:
             module_taken = self._module_snapshots.get(id(taken[1].get(name, _MISSING)))
             if module_taken is not None:
                 pairs.append(module_taken)
-        for live_namespace, then in pairs:
-            now = _exact_keys(live_namespace, wanted)
+        for now, then in pairs:
             for name in names:
                 was = then.get(name, _MISSING)
                 if was is not _MISSING and now.get(name, _MISSING) is not was:
@@ -694,24 +704,29 @@ class Guard:
         collecting, stop_collecting, collect_again = gc.isenabled, gc.disable, gc.enable
         module_setters = (_LockedModule.__setattr__.__code__, _LockedModule.__delattr__.__code__)
 
-        # While the hook judges an event (or `replaced` reads the manifest), events come back here: those the
-        # guard's own code raises (reading a frame, resolving a path) are let through; any other was raised by
-        # code that ran inside the judging (a finalizer, a gc.callbacks callback, run by a collection that an
-        # allocation of the hook's started) and is judged like any event, with the collector off meanwhile so
-        # that no code of the learner's runs inside that judging in turn.
+        # While the hook judges an event (or `replaced` reads the manifest), events come back here.  Its own
+        # reading of the caller's frame is let through at once (`reading`, the collector off: nothing else
+        # runs meanwhile); another event is let through if the guard's own code raised it (resolving a path,
+        # a traceback's frame read), and judged like any event otherwise (a finalizer run by dropping the last
+        # reference to an object).  The collector is off while an event is judged: no finalizer or
+        # gc.callbacks callback of the learner's runs inside the judging, where a name it rebinds after the
+        # hook read it would go unseen.
         def hook(event, args):
             depth = getattr(busy, "depth", 0)
-            if depth > 1:
+            if depth and (getattr(busy, "reading", False) or depth > 2):
                 return
             busy.depth = depth + 1
-            collector_was_on = depth > 0 and collecting()
+            collector_was_on = collecting()
             if collector_was_on:
-                stop_collecting()           # before anything is allocated here (reading a frame makes one)
+                stop_collecting()
             try:
+                busy.reading = True
                 try:
                     frame = getframe(1)
                 except ValueError:          # an event raised with no Python frame above it
                     frame = None
+                finally:
+                    busy.reading = False
                 if depth:
                     code = frame.f_code if frame is not None else None
                     if (code is not None and code.co_filename == own_file and code is not module_setters[0]
