@@ -35,16 +35,17 @@ def execute_seconds(path: Path, out: Path | None = None) -> float:
     with tempfile.TemporaryDirectory(prefix="gclab-bench-") as folder:
         km = _kernel_manager(folder)
         start = time.perf_counter()
+        client = NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": folder}})
         try:
-            # cleanup_kc: nbclient stops the client's channels only for a kernel it made itself;
-            # left running, each run's heartbeat thread keeps pinging a dead kernel, taking heap
-            # that memory checks in this process would count
-            NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": folder}}).execute(
-                cleanup_kc=True)
+            client.execute()
             seconds = time.perf_counter() - start
         finally:
-            # ... and a kernel it did not make would live on until this process ends, and then go
-            # without running its atexit hooks
+            # nbclient stops the client's channels, and shuts the kernel down, only for a kernel it
+            # made itself: left running, each run's heartbeat thread keeps pinging a dead kernel,
+            # taking heap that memory checks in this process would count, and the kernel would live
+            # on until this process ends, and then go without running its atexit hooks
+            if client.kc is not None:
+                client.kc.stop_channels()
             if km.has_kernel:
                 km.shutdown_kernel()
             km.context.destroy(linger=0)       # its I/O threads, one pair per run otherwise
