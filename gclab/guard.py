@@ -120,6 +120,13 @@ _EXECUTING_A_MODULE = ("<frozen importlib._bootstrap_external>", "exec_module")
 _COMPILING_BYTECODE = ("<frozen importlib._bootstrap_external>", "_compile_bytecode")
 _GETTING_CODE = ("<frozen importlib._bootstrap_external>", "get_code")
 _FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
+# Code that resumes where it left off (a generator, a coroutine): a profiler sees it "return" at every yield.
+# CO_GENERATOR, CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR:
+_RESUMABLE = 0x20 | 0x80 | 0x100 | 0x200
+# What leads to frames, handed to the learner's code while library code holds a frame (see `Guard._arm`)
+_LEADING_TO_FRAMES = (types.FrameType, types.TracebackType, types.GeneratorType, types.CoroutineType,
+                      types.AsyncGeneratorType)
+_tuple_new = tuple.__new__
 # The name the code that calls each of these functions in C uses for it
 _CALL_NAMES = types.MappingProxyType({
     "sys._getframe": "_getframe", "sys._current_frames": "_current_frames", "gc.get_objects": "get_objects",
@@ -411,6 +418,7 @@ class Guard:
         # taken by install(), once the gates are in place
         self._manifest, self._snapshots, self._module_snapshots = [], {}, {}
         self._stack_functions, self._stack_classes = (), ()
+        self._name_triples: dict = {}      # library code -> (globals, builtins, names to keep): `_names_kept`
 
     def _take_stock(self) -> None:
         """The manifest of the tools, and every imported module's globals as they are now (before any
@@ -620,27 +628,9 @@ class Guard:
         return self._names_unchanged(frame.f_code, frame.f_globals, frame.f_builtins)
 
     def _names_unchanged(self, code, live, live_builtins) -> bool:
-        taken, builtins_taken = self._snapshots.get(id(live)), self._snapshots.get(id(live_builtins))
-        if taken is None or taken[0] is not live or builtins_taken is None or builtins_taken[0] is not live_builtins:
-            return False
         # names looked up directly: a key of the learner's own there runs its __eq__ inside the hook, where
         # whatever it raises is judged (see `_arm`)
-        names = code.co_names
-        for name in names:
-            was = taken[1].get(name, _MISSING)
-            if live.get(name, _MISSING) is not was and (was is not _MISSING or name in builtins_taken[1]):
-                return False
-        pairs = [builtins_taken]
-        for name in names:
-            module_taken = self._module_snapshots.get(id(taken[1].get(name, _MISSING)))
-            if module_taken is not None:
-                pairs.append(module_taken)
-        for now, then in pairs:
-            for name in names:
-                was = then.get(name, _MISSING)
-                if was is not _MISSING and now.get(name, _MISSING) is not was:
-                    return False
-        return True
+        return self._names_kept(code, live, live_builtins) is True
 
     def _stack_summary_kept(self) -> bool:
         """Is the code that traceback.print_stack, format_stack and extract_stack (and logging, for
@@ -711,7 +701,53 @@ class Guard:
         # reference to an object).  The collector is off while an event is judged: no finalizer or
         # gc.callbacks callback of the learner's runs inside the judging, where a name it rebinds after the
         # hook read it would go unseen.
+        # While library code holds a frame it read (from the read until the function it read the frame for
+        # returns: a "window"), a profile function of this thread's watches every call it makes: the collector
+        # is off (no gc.callbacks callback or finalizer of the learner's runs), the learner's code may run
+        # only when it is handed nothing that leads to a frame or a namespace (a loader's __getattr__, a key's
+        # __eq__, a file's write), and every call is made through names that are what they were when the
+        # guard was installed (read through copies, taken again after the learner's code ran).  What was
+        # checked when the frame was read holds until the frame is let go: nothing rebinds, after the check,
+        # what the library hands the frame, or a frame's globals, to (linecache.lazycache, a logger's
+        # _is_internal_frame).
+        def open_window(anchor, collector_was_on):
+            busy.window = _SimpleNamespace(anchor=anchor, previous=sys.getprofile(), collector_was_on=collector_was_on,
+                                           clean={}, checked=set())
+            sys.setprofile(watch)
+
+        def close_window(window):
+            busy.window = None
+            sys.setprofile(window.previous)
+            if window.collector_was_on:
+                collect_again()
+
+        def watch(frame, event, arg):
+            window = getattr(busy, "window", None)
+            if window is None or getattr(busy, "depth", 0):      # the hook's own calls, judging an event
+                return
+            previous = window.previous
+            if event == "return":
+                if frame is window.anchor:
+                    close_window(window)
+            elif event == "call" or event == "c_call":
+                refusal = self._watch_refusal(window, frame, event)
+                if refusal:
+                    close_window(window)
+                    self.refused.append(refusal)
+                    busy.unwatching = True      # CPython takes this profile function off (raising sys.setprofile)
+                    raise RuntimeError(f"refused while grading: {refusal}")
+            if previous is not None:
+                previous(frame, event, arg)
+
         def hook(event, args):
+            # what no rule refuses, at once: id() (which the guard's own checks call all the time) and the
+            # attributes read (f_code, __code__) that lead to no frame
+            if event == "builtins.id" or (event == "object.__getattr__" and type(args[1]) is str
+                                          and args[1] not in _FRAME_ATTRIBUTES):
+                return
+            if event == "sys.setprofile" and getattr(busy, "unwatching", False):
+                busy.unwatching = False
+                return
             depth = getattr(busy, "depth", 0)
             if depth and (getattr(busy, "reading", False) or depth > 2):
                 return
@@ -733,6 +769,11 @@ class Guard:
                             and code is not module_setters[1]):
                         return
                 refusal = self._judge(event, args, frame)
+                if refusal is None and event in _FRAME_EVENTS and getattr(busy, "window", None) is None:
+                    anchor = self._window_anchor(event, args, frame)
+                    if anchor is not None:
+                        open_window(anchor, collector_was_on)
+                        collector_was_on = False        # off until the window closes
             finally:
                 if collector_was_on:
                     collect_again()
@@ -806,6 +847,123 @@ class Guard:
                 or self._read_while_importing(frame, read)):
             return None
         return f"{what}{self._handed_to(frame)} (a frame of the grader's code, handed to the learner's)"
+
+    # -- while library code holds a frame (see `_arm`) ----------------------------------------
+    def _window_anchor(self, event, args, reader):
+        """The frame whose return closes the window a frame read opens: the library function that read it,
+        or, below generators and the functions that pass frames on (`_FRAME_PASSING`), the one they hand
+        the frames to.  None when nothing was read, or when gclab's or the grader's own code read it."""
+        if event == "object.__getattr__" and (type(args[1]) is not str or args[1] not in _FRAME_ATTRIBUTES
+                                              or not any(type(args[0]) is kind for kind in _FRAME_HOLDERS)):
+            return None
+        if reader is None or self._grader_own(reader):
+            return None
+        anchor = reader
+        while anchor is not None and (anchor.f_code.co_flags & _RESUMABLE or self._where(anchor) in _FRAME_PASSING):
+            anchor = anchor.f_back
+        if anchor is None or self._where(anchor) is None:
+            return reader
+        return None if self._grader_own(anchor) else anchor
+
+    def _watch_refusal(self, window, frame, event):
+        """What a call made in a window (see `_arm`) must be refused for, or None: the learner's code handed
+        what leads to a frame or a namespace, or a call made by library code through a name rebound since
+        installation.  Library code is told by its file (a str, looked up at no cost), before any id(): the
+        caches below hold library code only, whose hash (of its constants, too) runs no code of the learner's."""
+        if event == "call":
+            code = frame.f_code
+            if not self._library_file(code.co_filename) and id(code) not in self._trusted_codes:
+                if self._namedtuple_new(frame):
+                    return None
+                if self._handed_a_frame(frame):
+                    return (f"the notebook's {_text(code.co_name) or 'code'} was handed a frame or a module's "
+                            f"globals while {self._holder(window)} held a frame of the grader's")
+                window.clean, window.checked = {}, set()      # it may have rebound any name: read them again
+                return None
+            caller = frame.f_back
+            if caller is None:
+                return None
+        else:
+            caller = frame
+        code = caller.f_code
+        if not self._library_file(code.co_filename) or code in window.checked:
+            return None                 # the grader's compiled code and the learner's have globals of their own
+        if self._names_kept(code, caller.f_globals, caller.f_builtins, window.clean) is False:
+            where = self._where(caller)
+            return (f"{where[0]}:{where[1]} called a name rebound since grading began "
+                    f"while {self._holder(window)} held a frame of the grader's")
+        window.checked.add(code)
+        return None
+
+    def _names_kept(self, code, live, live_builtins, clean: dict | None = None):
+        """Are the names `code` uses, in `live` (its globals), in `live_builtins` and in the
+        modules they name, what they were when the guard was installed (see `_unchanged`)?  None for globals
+        the guard took no copy of (a module imported since).  With `clean` (a window's, see `_watch_refusal`),
+        a namespace is read directly only where all its keys are exact strs (checked once per window: no
+        method of a key runs), and through a copy of those otherwise."""
+        if not self._library_file(code.co_filename):       # a key of the cache would hash its constants
+            kept = self._names_to_keep(code, live, live_builtins)
+        else:
+            entry = self._name_triples.get(code)
+            if entry is None or entry[0] is not live or entry[1] is not live_builtins:
+                entry = self._name_triples[code] = (live, live_builtins, self._names_to_keep(code, live, live_builtins))
+            kept = entry[2]
+        if kept is None:
+            return None
+        for namespace, names in kept:
+            view = namespace
+            if clean is not None:
+                view = clean.get(id(namespace))
+                if view is None:
+                    view = clean[id(namespace)] = (namespace if all(map(_is, map(type, dict.keys(namespace)), _repeat(str)))
+                                                   else _exact_keys(namespace))
+            for name, was in names:
+                if view.get(name, _MISSING) is not was:
+                    return False
+        return True
+
+    def _names_to_keep(self, code, live, live_builtins):
+        """(namespace, ((name, what it held at installation), ...)) for the names `code` uses: in its globals,
+        those they held (and, for a builtin's name, that it stays out of them), and in the builtins and each
+        module they name, those these held.  None where the guard took no copy of `live` or `live_builtins`."""
+        taken, builtins_taken = self._snapshots.get(id(live)), self._snapshots.get(id(live_builtins))
+        if taken is None or taken[0] is not live or builtins_taken is None or builtins_taken[0] is not live_builtins:
+            return None
+        names = code.co_names
+        kept = [(live, tuple((name, taken[1].get(name, _MISSING)) for name in names
+                             if name in taken[1] or name in builtins_taken[1]))]
+        pairs = [builtins_taken]
+        for name in names:
+            module_taken = self._module_snapshots.get(id(taken[1].get(name, _MISSING)))
+            if module_taken is not None:
+                pairs.append(module_taken)
+        kept += [(namespace, tuple((name, then[name]) for name in names if name in then)) for namespace, then in pairs]
+        return tuple(kept)
+
+    def _holder(self, window) -> str:
+        where = self._where(window.anchor)
+        return f"{where[0]}:{where[1]}" if where else "a library"
+
+    def _handed_a_frame(self, frame) -> bool:
+        """Is the code `frame` starts handed (in its arguments, or one level into a tuple or dict of them)
+        what leads to a frame, or a module's or function's globals (a dict with __builtins__)?"""
+        values = list(frame.f_locals.values())
+        for value in list(values):
+            if type(value) is tuple:
+                values.extend(value)
+            elif type(value) is dict:
+                values.extend(dict.values(value))
+        return any(any(type(value) is kind for kind in _LEADING_TO_FRAMES)
+                   or (type(value) is dict and "__builtins__" in _exact_keys(value)) for value in values)
+
+    @staticmethod
+    def _namedtuple_new(frame) -> bool:
+        """Is `frame` a namedtuple's __new__ (code collections made from a string: `_tuple_new(_cls, (...))`
+        and nothing else, with tuple.__new__ as `_tuple_new` and no builtins)?"""
+        code, namespace = frame.f_code, frame.f_globals
+        return (code.co_names == ("_tuple_new",) and not code.co_freevars and not code.co_cellvars
+                and all(const is None for const in code.co_consts) and type(namespace) is dict
+                and _exact_keys(namespace).get("_tuple_new") is _tuple_new and frame.f_builtins == {})
 
     def _handed_to(self, reader) -> str:
         """ by file:function (for file:function), naming the library code that read the frame and, when

@@ -154,6 +154,11 @@ def run(job: dict, channel: int) -> None:
     from gclab import guard
     shell = shell_class.instance()
     shell.display_pub.publish = lambda *args, **kwargs: None     # plots and displays go nowhere
+    # and so would an answer cell's traceback: IPython's, which hands the frames of the cell's error to the
+    # functions of inspect, executing and stack_data (any of them rebound by the cell), and calls the repr
+    # of each frame's locals (code of the learner's), is never drawn (the cell's error is described from
+    # the result: `_describe`)
+    shell.showtraceback = shell.showsyntaxerror = shell.showindentationerror = lambda *args, **kwargs: None
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
     # from here on, this module's names (and the builtins) as they are now, whatever the learner's
     # code rebinds through this module's __dict__ (a _run_test that says "passed")

@@ -117,6 +117,20 @@ def walks_to_the_token(frame: str, indent: str) -> str:
     return textwrap.indent(f"f = {frame}\nwhile f is not None and 'token' not in f.f_locals:\n    f = f.f_back\n"
                            "if f is not None:\n    token = getattr(f.f_locals['token'], '_value', f.f_locals['token'])\n"
                            + writes_passed_with("token", "    "), indent)
+# A stand-in of linecache.lazycache (which a summary of the stack hands each frame's globals): handed the
+# verdict's, it rebinds the verdict's _send to say "passed"
+FORGES_THROUGH_LAZYCACHE = (
+    "import gc, linecache, traceback\n_lazycache = linecache.lazycache\n"
+    "def _stand_in(filename, namespace):\n"
+    "    if type(namespace) is dict and '_send' in namespace and '_run_test' in namespace:\n"
+    "        _real = namespace['_send']\n"
+    "        def _send(channel, token, **message):\n"
+    "            if message.get('event') == 'result':\n"
+    "                message.update(status='passed', message='')\n"
+    "            return _real(channel, token, **message)\n"
+    "        namespace['_send'] = _send\n"
+    "    return _lazycache(filename, namespace)\n"
+    "def double(x):\n    return x + 1\n")
 REBINDS_CHECKS = ("import types\nlenient = types.SimpleNamespace(assert_untampered=lambda: None)\n"
                   "def double(x):\n    return 2 * x\n")
 IGNORES_INTERRUPTS = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass"
@@ -264,6 +278,28 @@ def hostile(course, tmp_path_factory):
         "torch_function_mode_left_active": "import torch\nfrom torch.overrides import TorchFunctionMode\n"
         "class Lenient(TorchFunctionMode):\n    def __torch_function__(self, func, types, args=(), kwargs=None):\n"
         "        return func(*args, **(kwargs or {}))\nLenient().__enter__()\ndef double(x):\n    return x + 1",
+        # the stand-in put in place after the summary's check, by the learner's code that the summary runs: a
+        # loader's __getattr__ (looked up for a frame whose globals name it), a collector callback
+        "loader_asked_while_the_stack_is_summarised": FORGES_THROUGH_LAZYCACHE
+        + "class _Loader:\n    def __getattr__(self, name):\n        vars(linecache)['lazycache'] = _stand_in\n"
+        "_mine = {'__name__': 'mine', '__loader__': _Loader(), 'traceback': traceback}\n"
+        "try:\n    exec(compile('traceback.extract_stack()', '/nonexistent/mine.py', 'exec'), _mine)\n"
+        "except Exception:\n    pass\nvars(linecache)['lazycache'] = _lazycache",
+        "collector_callback_after_the_summarys_check": FORGES_THROUGH_LAZYCACHE
+        + "_seen = []\ndef _callback(phase, info):\n    _seen.append(phase)\n    if len(_seen) == 3:\n"
+        "        vars(linecache)['lazycache'] = _stand_in\n"
+        "def _summarise():\n    _callbacks.append(_callback)\n    gc.set_threshold(1)\n    traceback.extract_stack()\n"
+        "_callbacks = gc.callbacks\n_summarise()\ngc.set_threshold(700)\n_callbacks.remove(_callback)\n"
+        "vars(linecache)['lazycache'] = _lazycache",
+        # the functions IPython's traceback of the cell's error hands its frames to, rebound
+        "rebinds_what_ipython_hands_frames_to": "import json, os, sys, types\nimport IPython.core.ultratb\n"
+        "def double(x):\n    return x + 1\n_done = []\ndef _wrap(function):\n    def spy(*args, **kwargs):\n"
+        "        for arg in args:\n"
+        "            if type(arg) is types.FrameType and not _done:\n                _done.append(arg)\n"
+        + walks_to_the_token("arg", " " * 16) + "        return function(*args, **kwargs)\n    return spy\n"
+        "_module = vars(IPython.core.ultratb)\nfor _name, _value in list(_module.items()):\n"
+        "    if type(_value) is types.FunctionType:\n        _module[_name] = _wrap(_value)\n"
+        "raise ValueError('the traceback is drawn')",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -295,7 +331,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "rewrites_results_in_json_dumps", "swallows_failures_in_redirect_stdout", "rebinds_the_verdicts_own_names",
            "step_that_calls_getframe_in_c", "torch_function_mode_left_active", "key_compared_inside_the_hook",
            "claims_to_wrap_a_tool", "frame_through_a_builtin_shadowed_in_a_library",
-           "collector_callback_inside_the_hook"]
+           "collector_callback_inside_the_hook", "loader_asked_while_the_stack_is_summarised",
+           "collector_callback_after_the_summarys_check", "rebinds_what_ipython_hands_frames_to"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -345,6 +382,10 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("claims_to_wrap_a_tool", "gc.get_stats was replaced"),
     ("frame_through_a_builtin_shadowed_in_a_library", "sys._getframe by objgraph.py:_find_chain"),
     ("collector_callback_inside_the_hook", "sys._getframe"),
+    ("loader_asked_while_the_stack_is_summarised", "traceback.py:_extract_from_extended_frame_gen called a name "
+     "rebound since grading began while traceback.py:extract_stack held a frame of the grader's"),
+    ("collector_callback_after_the_summarys_check", "a hidden check failed"),
+    ("rebinds_what_ipython_hands_frames_to", "ValueError: the traceback is drawn"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

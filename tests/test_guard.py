@@ -20,10 +20,21 @@ GRADER = textwrap.dedent('''
     import gclab.checks, gclab.memory, gclab.serving
     from gclab import guard
     workdir = sys.argv[1]
+    grader = sys._getframe(0).f_code
     keeper = guard.install(workdir, processes=False, files=True)
+    keeper.trust(grader)
     outcomes = {}
     learner = open(workdir + "/learner.py").read()
     exec(compile(learner, workdir + "/learner.py", "exec"), {"outcomes": outcomes})
+    try:                          # code of the grader's own (a hidden test), where there is one
+        hidden = open(workdir + "/hidden.py").read()
+    except FileNotFoundError:
+        hidden = None
+    if hidden is not None:
+        try:
+            exec(keeper.trust(compile(hidden, workdir + "/hidden.py", "exec")), {})
+        except Exception as error:
+            outcomes["the grader's own code"] = f"{type(error).__name__}: {error}"
     print(json.dumps({"outcomes": outcomes, "problems": keeper.problems()}))
 ''')
 
@@ -229,6 +240,68 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     attempt("objgraph, a builtin it calls shadowed in its globals", chain)
     del vars(objgraph)["id"]
     while_replaced(vars(builtins), "id", stand_in(id), "objgraph, a builtin it calls rebound", chain)
+
+    # ... or while the learner's code runs after the check, inside the summary: what it rebinds there would be
+    # handed the frames' globals (the grader's among them), or frames, unless the summary is watched to its end
+    import gc
+    lazycache = linecache.lazycache
+
+    def rebinds_lazycache(*args):
+        vars(linecache)["lazycache"] = stand_in(lazycache)
+
+    def summarised_while(set_up, undo):
+        def action():
+            set_up()
+            try:
+                traceback.extract_stack()
+            finally:
+                undo()
+                vars(linecache)["lazycache"] = lazycache
+        return action
+
+    class LoaderOfItsOwn:
+        def __getattr__(self, name):
+            rebinds_lazycache()
+
+    def summary_of_a_module_with_its_own_loader():
+        namespace = {"__name__": "mine", "__loader__": LoaderOfItsOwn(), "traceback": traceback}
+        try:
+            exec(compile("traceback.extract_stack()", workdir_file + ".mine.py", "exec"), namespace)
+        finally:
+            vars(linecache)["lazycache"] = lazycache
+    attempt("a loader of the learner's, asked in the summary", summary_of_a_module_with_its_own_loader)
+
+    class KeyOfItsOwn(str):
+        armed = False
+
+        def __hash__(self):
+            return hash(workdir_file)
+
+        def __eq__(self, other):
+            if KeyOfItsOwn.armed:
+                rebinds_lazycache()
+            return False
+
+    def key_in_linecaches_cache():
+        linecache.cache[key] = (0, None, [], "mine")      # compared with this file's entry, unarmed
+        KeyOfItsOwn.armed = True
+
+    def key_out():
+        KeyOfItsOwn.armed = False
+        linecache.cache.pop(key)
+    key = KeyOfItsOwn("mine")
+    attempt("a key of the learner's in linecache's cache, compared in the summary",
+            summarised_while(key_in_linecaches_cache, key_out))
+    collections_seen = []
+
+    def third_collection(phase, info):
+        collections_seen.append(phase)
+        if len(collections_seen) == 3:      # after the frame was read and the check made
+            rebinds_lazycache()
+    callbacks = gc.callbacks
+    attempt("a collector callback, run in the summary after the check",
+            summarised_while(lambda: (callbacks.append(third_collection), gc.set_threshold(1)),
+                             lambda: (gc.set_threshold(700), callbacks.remove(third_collection))))
 ''')
 HONEST = textwrap.dedent('''
     import asyncio, collections, enum, io, logging, traceback, warnings
@@ -254,16 +327,33 @@ HONEST = textwrap.dedent('''
         traceback.format_stack(limit=-2)
         outcomes["the stack's last frame"] = traceback.extract_stack()[-1].name
         logging.getLogger("honest").warning("a warning with its stack", stack_info=True)
+        notes = Notes()
+        traceback.print_stack(file=notes)
+        outcomes["the stack printed to a file of its own"] = bool(notes.lines)
+
+    class Notes:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, text):
+            self.lines.append(text)
 
     attempt("libraries that read frames for their own use", library_uses)
 ''')
+
+
+# A stand-in left in place, then the stack summarised by the grader's own code: its frames' globals (the
+# grader's, with the guard in them) would be handed to the stand-in.
+LEFT_IN_PLACE = 'vars(linecache)["lazycache"] = stand_in(linecache.lazycache)\n'
+HIDDEN_TEST = "import traceback\ntraceback.format_stack()\n"
 
 
 @pytest.fixture(scope="module")
 def routes(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("grading")
     prelude = f"workdir_file = {str(workdir / 'learner.py')!r}\n"
-    (workdir / "learner.py").write_text(prelude + ROUTES + HONEST)
+    (workdir / "learner.py").write_text(prelude + ROUTES + HONEST + LEFT_IN_PLACE)
+    (workdir / "hidden.py").write_text(HIDDEN_TEST)
     done = subprocess.run([sys.executable, "-c", GRADER, str(workdir)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
@@ -292,6 +382,11 @@ def routes(tmp_path_factory):
     ("code named as a frozen module", "compile of code that claims to be <frozen importlib._bootstrap>"),
     ("code named by a relative path into the libraries", "sys._getframe"),
     ("the guard's own names rebound", "sys._getframe"),
+    ("a loader of the learner's, asked in the summary",
+     "traceback.py:_extract_from_extended_frame_gen called a name rebound since grading began while "
+     "traceback.py:extract_stack held a frame of the grader's"),
+    ("a key of the learner's in linecache's cache, compared in the summary",
+     "called a name rebound since grading began while traceback.py:extract_stack held a frame of the grader's"),
 ])
 def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
     assert refusal in routes["outcomes"][route], routes["outcomes"][route]
@@ -315,6 +410,22 @@ def test_the_hook_runs_none_of_the_learners_code(routes):
 def test_libraries_that_read_frames_for_their_own_use_still_work(routes):
     assert routes["outcomes"]["libraries that read frames for their own use"] == "allowed"
     assert routes["outcomes"]["the stack's last frame"] == "library_uses"
+    assert routes["outcomes"]["the stack printed to a file of its own"] is True
+
+
+def test_no_collection_runs_the_learners_callbacks_while_a_library_holds_a_frame(routes):
+    """The collector is off from a frame's read to the end of the function it was read for: a callback that
+    rebinds linecache.lazycache at its third collection runs after the summary, which completes."""
+    assert routes["outcomes"]["a collector callback, run in the summary after the check"] == "allowed"
+
+
+def test_a_frame_read_for_the_graders_own_code_is_watched_too(routes):
+    """traceback.format_stack called by the grader's code, with a stand-in of the learner's left in place of
+    linecache.lazycache: the read is the grader's, and the call to the stand-in is refused."""
+    refusal = ("traceback.py:_extract_from_extended_frame_gen called a name rebound since grading began while "
+               "traceback.py:format_stack held a frame of the grader's")
+    assert refusal in routes["outcomes"]["the grader's own code"]
+    assert any(refusal in problem for problem in routes["problems"]), routes["problems"]
 
 
 def test_no_stand_in_of_the_learners_is_handed_a_frame(routes):
