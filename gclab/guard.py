@@ -769,7 +769,13 @@ class Guard:
                             and code is not module_setters[1]):
                         return
                 refusal = self._judge(event, args, frame)
-                if refusal is None and event in _FRAME_EVENTS and getattr(busy, "window", None) is None:
+                window = getattr(busy, "window", None)
+                if window is not None and sys.getprofile() is not watch:    # taken off by other code: over
+                    busy.window = None
+                    if window.collector_was_on:
+                        collect_again()
+                    window = None
+                if refusal is None and event in _FRAME_EVENTS and window is None:
                     anchor = self._window_anchor(event, args, frame)
                     if anchor is not None:
                         open_window(anchor, collector_was_on)
