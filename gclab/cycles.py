@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 import objgraph
 import torch
 
-from .guard import starting_environment
+from .guard import WATCH_EVENT, starting_environment
+# The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
+# definition (see gclab.held).
 from .memory import device_storage, format_bytes
 from .refs import frame_local_names
 
@@ -331,13 +333,14 @@ def _garbage_kept():
         del gc.garbage[saved:]
 
 
-def garbage_by_type() -> Counter:
+def garbage_by_type(_audit=sys.audit, _event=WATCH_EVENT) -> Counter:
     """What a full collection finds unreachable, counted by type name.
 
     The collection runs with `gc.DEBUG_SAVEALL`, so the objects are kept long enough to be
     counted; then the debug flags are restored and, when something was found, a second
     collection frees it.  Call it after a check, never inside one: it collects.
     """
+    _audit(_event)
     with _garbage_kept() as start:
         gc.collect()
         found = Counter(type(obj).__name__ for obj in gc.garbage[start:])
@@ -350,7 +353,8 @@ _EDGE = re.compile(r"^\s*(o_?\d+) -> (o_?\d+)")
 _MORE = re.compile(r'^\s*too_many_(o_?\d+)\[label="(\d+) more')
 
 
-def _graph(walk, direction, objs, max_depth, too_many, filter) -> ObjectGraph:
+def _graph(walk, direction, objs, max_depth, too_many, filter, _audit=sys.audit, _event=WATCH_EVENT) -> ObjectGraph:
+    _audit(_event)
     objs = list(objs) if isinstance(objs, (list, tuple)) else [objs]
     seen = {}                       # node key -> object, while the graph is built
 
@@ -653,7 +657,8 @@ class CycleReport:
         return show_graph(self.graph, title=self.title, text=text)
 
 
-def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor) -> list[CycleReport]:
+def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor, _audit=sys.audit,
+                       _event=WATCH_EVENT) -> list[CycleReport]:
     """The reference cycles in `garbage` (what a collection found unreachable, as
     gc.DEBUG_SAVEALL leaves it in gc.garbage) that contain a tensor or lead to one.
 
@@ -664,6 +669,7 @@ def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor) -> l
     collector cannot follow (C++ objects such as autograd nodes), which no Python
     attribute can be blamed for.  `tensor_test` decides what counts as a tensor.
     """
+    _audit(_event)
     seen = {f"o{id(obj)}": obj for obj in garbage if type(obj) not in weakref.ProxyTypes}
     pairs = _fold_namespaces(_garbage_pairs(seen), seen, set())
     following = {key: [] for key in seen}

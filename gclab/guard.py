@@ -51,7 +51,7 @@ import sysconfig
 import threading
 import types
 
-__all__ = ["Guard", "install", "sealed", "starting_environment"]
+__all__ = ["WATCH_EVENT", "Guard", "install", "sealed", "starting_environment"]
 
 GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "posixpath", "torch", "torch.cuda",
                    "numpy") + (
@@ -156,6 +156,10 @@ _GATED = (("_signal", "signal"), ("_imp", "create_builtin"), ("_imp", "create_dy
 # Library signal handlers that ignore the frame they are handed (uvicorn's, installed while a server runs)
 _SIGNAL_HANDLERS = frozenset({("uvicorn/server.py", "handle_exit")})
 _GATE_EVENT = "gclab.guard.gate"
+# Raised by gclab's code that walks the objects of the process (gclab.held, refs, cycles), which may
+# meet frames (a kept exception's traceback, a referrer) and hand them on: the hook watches the function
+# that raised it as it watches a library that read a frame (see `Guard._arm`), until it returns.
+WATCH_EVENT = "gclab.guard.watch"
 _GUARD_FILE = __file__      # the hook tells its own code's events by the file their code was compiled from
 _BUILTINS_HOLDING_GATES = frozenset({"_signal", "_imp"})
 # CPython's own test extensions (in the standard library's folder): C functions that poke at the interpreter
@@ -375,6 +379,12 @@ def _stack_summary_code() -> tuple:
                  traceback.FrameSummary.__init__, linecache.lazycache]
     return (tuple((f, f.__code__, f.__defaults__, _exact_keys(f.__kwdefaults__ or {})) for f in functions),
             tuple((vars(c), _exact_keys(vars(c))) for c in (traceback.StackSummary, traceback.FrameSummary)))
+
+
+def _called(value) -> bool:
+    """Is `value` (a library's, taken at installation) what code calls or reads attributes of (a function,
+    a class, a module), not data its own code rebinds (warnings.filters, which catch_warnings replaces)?"""
+    return value is not _MISSING and (callable(value) or type(value) is _ModuleType)
 
 
 def _type_name(value) -> str:
@@ -711,13 +721,12 @@ class Guard:
         # what the library hands the frame, or a frame's globals, to (linecache.lazycache, a logger's
         # _is_internal_frame).
         def open_window(anchor, collector_was_on):
-            busy.window = _SimpleNamespace(anchor=anchor, previous=sys.getprofile(), collector_was_on=collector_was_on,
-                                           clean={}, checked=set())
+            busy.window = _SimpleNamespace(anchor=anchor, collector_was_on=collector_was_on, clean={}, checked=set())
             sys.setprofile(watch)
 
         def close_window(window):
             busy.window = None
-            sys.setprofile(window.previous)
+            sys.setprofile(None)
             if window.collector_was_on:
                 collect_again()
 
@@ -725,7 +734,6 @@ class Guard:
             window = getattr(busy, "window", None)
             if window is None or getattr(busy, "depth", 0):      # the hook's own calls, judging an event
                 return
-            previous = window.previous
             if event == "return":
                 if frame is window.anchor:
                     close_window(window)
@@ -736,8 +744,6 @@ class Guard:
                     self.refused.append(refusal)
                     busy.unwatching = True      # CPython takes this profile function off (raising sys.setprofile)
                     raise RuntimeError(f"refused while grading: {refusal}")
-            if previous is not None:
-                previous(frame, event, arg)
 
         def hook(event, args):
             # what no rule refuses, at once: id() (which the guard's own checks call all the time) and the
@@ -775,8 +781,14 @@ class Guard:
                     if window.collector_was_on:
                         collect_again()
                     window = None
-                if refusal is None and event in _FRAME_EVENTS and window is None:
-                    anchor = self._window_anchor(event, args, frame)
+                # not while another profile function is set (gclab.cycles' detector reports from inside
+                # its own, where no call would be seen): that one's code runs unwatched
+                if refusal is None and window is None and sys.getprofile() is None:
+                    anchor = None
+                    if event in _FRAME_EVENTS:
+                        anchor = self._window_anchor(event, args, frame)
+                    elif event == WATCH_EVENT and frame is not None and self._grader_own(frame):
+                        anchor = frame
                     if anchor is not None:
                         open_window(anchor, collector_was_on)
                         collector_was_on = False        # off until the window closes
@@ -883,7 +895,7 @@ class Guard:
                     return None
                 if self._handed_a_frame(frame):
                     return (f"the notebook's {_text(code.co_name) or 'code'} was handed a frame or a module's "
-                            f"globals while {self._holder(window)} held a frame of the grader's")
+                            f"globals while {self._holder(window)} could reach the grader's frames")
                 window.clean, window.checked = {}, set()      # it may have rebound any name: read them again
                 return None
             caller = frame.f_back
@@ -897,7 +909,7 @@ class Guard:
         if self._names_kept(code, caller.f_globals, caller.f_builtins, window.clean) is False:
             where = self._where(caller)
             return (f"{where[0]}:{where[1]} called a name rebound since grading began "
-                    f"while {self._holder(window)} held a frame of the grader's")
+                    f"while {self._holder(window)} could reach the grader's frames")
         window.checked.add(code)
         return None
 
@@ -924,26 +936,28 @@ class Guard:
                     view = clean[id(namespace)] = (namespace if all(map(_is, map(type, dict.keys(namespace)), _repeat(str)))
                                                    else _exact_keys(namespace))
             for name, was in names:
-                if view.get(name, _MISSING) is not was:
+                now = view.get(name, _MISSING)
+                if now is not was and not self._same_tool(self, name, now, was):
                     return False
         return True
 
     def _names_to_keep(self, code, live, live_builtins):
-        """(namespace, ((name, what it held at installation), ...)) for the names `code` uses: in its globals,
-        those they held (and, for a builtin's name, that it stays out of them), and in the builtins and each
-        module they name, those these held.  None where the guard took no copy of `live` or `live_builtins`."""
+        """(namespace, ((name, what it held at installation), ...)) for the names `code` uses that held what is
+        called (`_called`): in its globals (and, for a builtin's name, that it stays out of them), and in the
+        builtins and each module they name.  None where the guard took no copy of `live` or `live_builtins`."""
         taken, builtins_taken = self._snapshots.get(id(live)), self._snapshots.get(id(live_builtins))
         if taken is None or taken[0] is not live or builtins_taken is None or builtins_taken[0] is not live_builtins:
             return None
         names = code.co_names
         kept = [(live, tuple((name, taken[1].get(name, _MISSING)) for name in names
-                             if name in taken[1] or name in builtins_taken[1]))]
+                             if _called(taken[1].get(name, _MISSING)) or name in builtins_taken[1]))]
         pairs = [builtins_taken]
         for name in names:
             module_taken = self._module_snapshots.get(id(taken[1].get(name, _MISSING)))
             if module_taken is not None:
                 pairs.append(module_taken)
-        kept += [(namespace, tuple((name, then[name]) for name in names if name in then)) for namespace, then in pairs]
+        kept += [(namespace, tuple((name, then[name]) for name in names if name in then and _called(then[name])))
+                 for namespace, then in pairs]
         return tuple(kept)
 
     def _holder(self, window) -> str:

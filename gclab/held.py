@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .cycles import instance_attributes
+from .guard import WATCH_EVENT
 from .memory import device_storage, format_bytes, storage_entry
 
 __all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "graphs_held", "tensors_held"]
@@ -36,6 +37,10 @@ _SKIPPED = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType,
             weakref.ref, weakref.ProxyType, weakref.CallableProxyType, property, staticmethod,
             classmethod, str, bytes, int, float, complex, bool, type(None), range)
 _FRAME_NAMES = sys.version_info >= (3, 13)     # f_locals is a live view; before, reading it stores a copy
+# Each function below that walks the process's objects (which may lead to frames: a kept exception's
+# traceback) first raises WATCH_EVENT, through defaults bound at definition (a tuple the learner's code
+# cannot change, where a module global could be rebound): a grading guard then watches the walk (see
+# gclab.guard.WATCH_EVENT) so that nothing it meets reaches a function the learner's code rebound.
 
 
 def _describe_tensor(tensor) -> str:
@@ -128,7 +133,8 @@ class StorageCensus:
     were in `carried` (a set of (device, address) of memory the code itself made before, which it
     may replace)."""
 
-    def __init__(self):
+    def __init__(self, _audit=sys.audit, _event=WATCH_EVENT):
+        _audit(_event)
         self._storages: dict[int, tuple[int, int, tuple[str, int]]] = {}    # key -> (weak ref, bytes, where)
         for obj in _storage_holders():
             found = storage_entry(obj) if isinstance(obj, torch._C.StorageBase) else device_storage(obj)
@@ -166,10 +172,15 @@ class _TensorTypes(dict):
 _TENSOR_TYPES = _TensorTypes()
 
 
-def _storage_holders():
+def _tensor_holders():
+    """The tensors and storages among the objects the collector tracks, filtered in C (compress, map): a
+    Python loop over a server's heap takes twice as long (and a watched one, see WATCH_EVENT, far longer)."""
     objects = gc.get_objects()
-    # the objects are filtered in C (compress, map): a Python loop over a server's heap takes twice as long
-    for obj in itertools.compress(objects, map(_TENSOR_TYPES.__getitem__, map(type, objects))):
+    return itertools.compress(objects, map(_TENSOR_TYPES.__getitem__, map(type, objects)))
+
+
+def _storage_holders():
+    for obj in _tensor_holders():
         yield obj
         if isinstance(obj, torch._C.StorageBase):        # a storage kept without any tensor
             continue
@@ -243,22 +254,24 @@ def _walk(obj, name: str, names: bool, device=None, max_objects: int = 50_000) -
     return found
 
 
-def tensors_held(obj, name: str = "it", device=None) -> list[str]:
+def tensors_held(obj, name: str = "it", device=None, _audit=sys.audit, _event=WATCH_EVENT) -> list[str]:
     """Every tensor storage `obj` keeps alive (through its attributes, containers, closures,
     exceptions with their frames and autograd graphs, not its module's globals), each said as
     where it is reached and what it is, most bytes first; [] when it keeps none.  A view of a
     bigger tensor counts: it keeps all of its storage alive."""
+    _audit(_event)
     found = _walk(obj, name, names=True, device=device)
     held = sorted((where for _, where in found.values()), key=lambda where: -where.nbytes)
     del found
     return [f"{where.entry}{where.root}, {where.root_what} ({format_bytes(where.nbytes)} of storage)" for where in held]
 
 
-def graphs_held(obj, name: str = "it", max_objects: int = 50_000) -> dict:
+def graphs_held(obj, name: str = "it", max_objects: int = 50_000, _audit=sys.audit, _event=WATCH_EVENT) -> dict:
     """path -> the number of nodes in its autograd graph, for every tensor with a graph that `obj`
     keeps (through its attributes, containers, closures and exceptions, as `tensors_held` walks).
     backward() frees what a graph saved, not its nodes: a graph that every step extends (a running
     total, `total += loss`) grows on the heap, where no tensor meter sees it, but its node count does."""
+    _audit(_event)
     sizes, seen, keep = {}, {id(obj)}, [obj]
     queue = deque([(obj, name)])
     with warnings.catch_warnings():
@@ -365,14 +378,15 @@ class HeldBytes:
     only in `report` (on Python 3.11 and 3.12 reading `frame.f_locals` stores a copy on the frame).
     """
 
-    def __init__(self, holder, name: str | None = None, device=None):
+    def __init__(self, holder, name: str | None = None, device=None, _audit=sys.audit, _event=WATCH_EVENT):
+        _audit(_event)
         self._holder = holder
         self.name = name or _name_of(holder)
         self.device = torch.device(device) if device is not None else None
         self._refs: dict[int, int] = {}          # storage key -> weak reference handle
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
+            for obj in _tensor_holders():
                 if issubclass(type(obj), torch.Tensor):
                     self._remember(obj)
         found = _walk(holder, self.name, names=False, device=self.device)
@@ -393,7 +407,8 @@ class HeldBytes:
         ref = self._refs.get(key)
         return ref is not None and not _expired(ref)
 
-    def report(self, growth: int = 0, iterations: int = 0) -> HeldReport:
+    def report(self, growth: int = 0, iterations: int = 0, _audit=sys.audit, _event=WATCH_EVENT) -> HeldReport:
+        _audit(_event)
         found = _walk(self._holder, self.name, names=True, device=self.device)
         groups: dict[str, Holding] = {}
         entries: dict[str, dict[str, list]] = {}

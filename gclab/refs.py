@@ -25,6 +25,10 @@ import types
 import warnings
 from collections import deque
 
+from .guard import WATCH_EVENT
+# The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
+# definition (see gclab.held).
+
 __all__ = ["reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
 
 _MAIN = "__main__"
@@ -179,7 +183,8 @@ def _render(root: str, pieces: list[str], frames: list[str]) -> str:
     return text
 
 
-def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: int = 60) -> list[str]:
+def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: int = 60,
+                    _audit=sys.audit, _event=WATCH_EVENT) -> list[str]:
     """Paths from module globals (or, in IPython, from `get_ipython()`) to `obj`, shortest
     first: each says what keeps it alive.
 
@@ -197,6 +202,7 @@ def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: in
     `` (a key of the dict)``, `` (a member of the set)``, and `` -> TypeName`` where the
     link cannot be named.  A frame's path ends with `# frame of f()`.
     """
+    _audit(_event)
     roots = _module_globals()
     shell = _ipython()
     if shell is not None:
@@ -273,8 +279,9 @@ def _paths(objects: list, module: str) -> list[str]:
     return paths
 
 
-def direct_referrers(obj) -> list[str]:
+def direct_referrers(obj, _audit=sys.audit, _event=WATCH_EVENT) -> list[str]:
     """What refers to `obj` directly, one short line each: `list[0]`, `dict['x']`, `frame of f()`."""
+    _audit(_event)
     ignored = _running_frames()
     lines = []
     referrers = gc.get_referrers(obj)

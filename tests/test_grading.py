@@ -300,6 +300,19 @@ def hostile(course, tmp_path_factory):
         "_module = vars(IPython.core.ultratb)\nfor _name, _value in list(_module.items()):\n"
         "    if type(_value) is types.FunctionType:\n        _module[_name] = _wrap(_value)\n"
         "raise ValueError('the traceback is drawn')",
+        # an exception kept by test_double's call, whose traceback's frames lead to the verdict's; in test_zero's
+        # call, gclab.held walks it with isinstance rebound, and the stand-in is handed those frames
+        "frames_through_a_builtin_gclabs_walk_calls": "import builtins, json, os, types\nimport gclab.held\n_kept = []\n"
+        "def _inner():\n    raise ValueError('kept')\n_real = builtins.isinstance\n_seen = []\n"
+        "def _spy(obj, kinds):\n    if type(obj) is types.FrameType and not _seen:\n        _f = obj\n"
+        "        while _f is not None and 'token' not in _f.f_locals:\n            _f = _f.f_back\n"
+        "        if _f is not None:\n            _seen.append(_f)\n    return _real(obj, kinds)\n"
+        "def double(x):\n    if not _kept:\n        try:\n            _inner()\n        except ValueError as e:\n"
+        "            _kept.append(e)\n    else:\n        vars(builtins)['isinstance'] = _spy\n        try:\n"
+        "            gclab.held.tensors_held(_kept, 'kept')\n        finally:\n"
+        "            vars(builtins)['isinstance'] = _real\n        if _seen:\n"
+        "            token = getattr(_seen[0].f_locals['token'], '_value', _seen[0].f_locals['token'])\n"
+        + writes_passed_with("token", " " * 12) + "            os._exit(0)\n    return x + 1\n",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
@@ -332,7 +345,8 @@ HOSTILE = ["loops_forever_ignoring_interrupts", "kills_its_process", "allocates_
            "step_that_calls_getframe_in_c", "torch_function_mode_left_active", "key_compared_inside_the_hook",
            "claims_to_wrap_a_tool", "frame_through_a_builtin_shadowed_in_a_library",
            "collector_callback_inside_the_hook", "loader_asked_while_the_stack_is_summarised",
-           "collector_callback_after_the_summarys_check", "rebinds_what_ipython_hands_frames_to"]
+           "collector_callback_after_the_summarys_check", "rebinds_what_ipython_hands_frames_to",
+           "frames_through_a_builtin_gclabs_walk_calls"]
 
 
 def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
@@ -383,9 +397,11 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("frame_through_a_builtin_shadowed_in_a_library", "sys._getframe by objgraph.py:_find_chain"),
     ("collector_callback_inside_the_hook", "sys._getframe"),
     ("loader_asked_while_the_stack_is_summarised", "traceback.py:_extract_from_extended_frame_gen called a name "
-     "rebound since grading began while traceback.py:extract_stack held a frame of the grader's"),
+     "rebound since grading began while traceback.py:extract_stack could reach the grader's frames"),
     ("collector_callback_after_the_summarys_check", "a hidden check failed"),
     ("rebinds_what_ipython_hands_frames_to", "ValueError: the traceback is drawn"),
+    ("frames_through_a_builtin_gclabs_walk_calls", "gclab/held.py:_walk called a name rebound since grading began "
+     "while gclab/held.py:tensors_held could reach the grader's frames"),
     ("token_found_with_objgraph", "gc.get_objects (reaching into the grader's objects)"),
     ("clears_the_guards_record", "gclab.memory.Meter.describe was replaced"),
     ("rebinds_a_tool_through_globals", "checks (which the set-up cell imports) was rebound by the notebook's code"),

@@ -302,6 +302,27 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     attempt("a collector callback, run in the summary after the check",
             summarised_while(lambda: (callbacks.append(third_collection), gc.set_threshold(1)),
                              lambda: (gc.set_threshold(700), callbacks.remove(third_collection))))
+
+    # gclab's own code walking the process's objects meets the frames of a kept exception's traceback (and,
+    # through them, the grader's), and calls builtins and its module's functions with them
+    import gclab.held, gclab.refs
+
+    def kept_exception():
+        target = [0]
+
+        def fails(local):
+            raise ValueError("kept")
+        try:
+            fails(target)
+        except ValueError as error:
+            return error, target
+    kept, target = kept_exception()
+    while_replaced(vars(builtins), "isinstance", stand_in(isinstance), "gclab.held's walk, a builtin rebound",
+                   lambda: gclab.held.tensors_held([kept], "kept"))
+    while_replaced(vars(gclab.held), "_children", stand_in(vars(gclab.held)["_children"]),
+                   "gclab.held's walk, one of its functions rebound", lambda: gclab.held.tensors_held([kept], "kept"))
+    while_replaced(vars(builtins), "isinstance", stand_in(isinstance), "gclab.refs' search, a builtin rebound",
+                   lambda: gclab.refs.reference_paths(target))
 ''')
 HONEST = textwrap.dedent('''
     import asyncio, collections, enum, io, logging, traceback, warnings
@@ -384,9 +405,14 @@ def routes(tmp_path_factory):
     ("the guard's own names rebound", "sys._getframe"),
     ("a loader of the learner's, asked in the summary",
      "traceback.py:_extract_from_extended_frame_gen called a name rebound since grading began while "
-     "traceback.py:extract_stack held a frame of the grader's"),
+     "traceback.py:extract_stack could reach the grader's frames"),
+    ("gclab.held's walk, a builtin rebound", "gclab/held.py:_walk called a name rebound since grading began "
+     "while gclab/held.py:tensors_held could reach the grader's frames"),
+    ("gclab.held's walk, one of its functions rebound", "gclab/held.py:_unseen_children called a name rebound"),
+    ("gclab.refs' search, a builtin rebound", "called a name rebound since grading began while "
+     "gclab/refs.py:reference_paths could reach the grader's frames"),
     ("a key of the learner's in linecache's cache, compared in the summary",
-     "called a name rebound since grading began while traceback.py:extract_stack held a frame of the grader's"),
+     "called a name rebound since grading began while traceback.py:extract_stack could reach the grader's frames"),
 ])
 def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
     assert refusal in routes["outcomes"][route], routes["outcomes"][route]
@@ -423,7 +449,7 @@ def test_a_frame_read_for_the_graders_own_code_is_watched_too(routes):
     """traceback.format_stack called by the grader's code, with a stand-in of the learner's left in place of
     linecache.lazycache: the read is the grader's, and the call to the stand-in is refused."""
     refusal = ("traceback.py:_extract_from_extended_frame_gen called a name rebound since grading began while "
-               "traceback.py:format_stack held a frame of the grader's")
+               "traceback.py:format_stack could reach the grader's frames")
     assert refusal in routes["outcomes"]["the grader's own code"]
     assert any(refusal in problem for problem in routes["problems"]), routes["problems"]
 
