@@ -167,6 +167,9 @@ def run(job: dict, channel: int) -> None:
 
 def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:
     namespace = shell.user_ns
+    # the builtins the tests run with: a copy taken before the learner's code runs, which no rebinding
+    # through builtins' __dict__ reaches (one that puts itself back after the test's call went unseen)
+    test_builtins = dict(vars(builtins))
     relied_on = _builtins_relied_on([c["source"] for c in job["cells"] if c["kind"] != "answer"]
                                     + [t["source"] for t in job["tests"]], namespace)
     _send(channel, token, event="ready")
@@ -189,7 +192,7 @@ def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:
     tools = [name for name in job.get("tools", ()) if name in given]
     for test in job["tests"]:
         _send(channel, token, event="start", test=test["id"])
-        outcome = _run_test(keeper, test, namespace, given, tools, relied_on)
+        outcome = _run_test(keeper, test, namespace, given, tools, relied_on, test_builtins)
         _send(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
     _send(channel, token, event="done")
 
@@ -238,16 +241,19 @@ def _builtins_relied_on(sources, namespace: dict) -> dict:
     return {name: namespace.get(name, getattr(builtins, name)) for name in names if hasattr(builtins, name)}
 
 
-def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on) -> dict:
+def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on, test_builtins: dict) -> dict:
     """Run a test cell: its visible self-checks with their printed output kept for the
     learner's feedback, its hidden parts with their output dropped.  The test sees the
-    learner's names, and every name a locked cell bound as that cell left it."""
+    learner's names, every name a locked cell bound as that cell left it, and `test_builtins`.
+    A tool or builtin rebound when the test starts is tampering even if it is put back by the
+    end (the test ran with it)."""
     parts = [(hidden, keeper.trust(compile(source, f"<test {test['id']}>", "exec")))
              for hidden, source in _parts(test["source"])]
-    before = set(keeper.problems()) | set(_rebound(namespace, given, tools, relied_on)) | set(_torch_modes())
+    at_start = keeper.problems() + _rebound(namespace, given, tools, relied_on) + _torch_modes()
+    before = set(at_start)
     printed = _Printed()
     try:
-        scope = {**namespace, **given, "__builtins__": builtins}
+        scope = {**namespace, **given, "__builtins__": test_builtins}
         for hidden, code in parts:
             if hidden:
                 exec(code, scope)
@@ -261,6 +267,7 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
     except BaseException as error:        # the learner's code may raise anything, SystemExit included
         outcome = {"status": "error", "message": _describe(error)}
     problems = keeper.problems() + _rebound(namespace, given, tools, relied_on) + _torch_modes()
+    problems += [problem for problem in at_start if problem not in problems]
     if problems:
         new = [p for p in problems if p not in before] or problems
         outcome = {"status": "tampered", "message": "; ".join(new[:3])}

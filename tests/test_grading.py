@@ -696,3 +696,25 @@ def test_a_forked_verdict_imports_nothing_before_the_learners_code(tmp_path):
     assert done.returncode == 0, done.stderr
     imported = (tmp_path / "imported-after-the-fork.txt").read_text()
     assert imported == "[]", f"imported after the fork, by every verdict: {imported}"
+
+
+# The first test keeps double(2)'s answer; when its namespace is let go (after its own check for tampering),
+# the answer's finalizer puts in a builtins.all that says True once and then puts the real one back
+BUILTIN_TESTS = [("test_kept", "_kept = double(2)\nassert _kept == 4", 1),
+                 ("test_all", "assert all(double(i) == 2 * i for i in (0, 1, 2))", 1)]
+PLANTS_A_BUILTIN_BETWEEN_TESTS = (
+    "import builtins\n_real_all = builtins.all\n"
+    "def _all(items):\n    vars(builtins)['all'] = _real_all\n    return True\n"
+    "class _Planter(int):\n    def __del__(self):\n        vars(builtins)['all'] = _all\n"
+    "def double(x):\n    return _Planter(4) if x == 2 else x + 1\n")
+
+
+def test_a_builtin_rebound_between_two_tests_reaches_neither(tmp_path):
+    """The tests run with builtins copied before the answer ran, and a tool or builtin replaced when a test
+    starts is tampering even when it is put back before the test ends."""
+    course = make_course(tmp_path / "course", {"toy": lesson(
+        "### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION", BUILTIN_TESTS)})
+    path = tmp_path / "plants_a_builtin_between_tests-toy.ipynb"
+    nbformat.write(lesson(PLANTS_A_BUILTIN_BETWEEN_TESTS, BUILTIN_TESTS), path)
+    [result] = grading.grade([path], root=course, cell_timeout=10)
+    assert result.score == 0 and "builtins.all was replaced" in result.reason, grading.format_results([result])
