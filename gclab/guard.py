@@ -23,8 +23,9 @@ code from the standard library, installed packages and gclab, and code the grade
 itself (`Guard.trust`), is the grader's.  A frame, though, is judged by who gets it: every
 frame leads (through `f_back`, which no event audits) to the verdict's, so one read while the
 learner's code runs is refused unless gclab's or the grader's code asked for it, or the library
-that read it is known to keep it to itself (`_FRAME_SUMMARIES`).  What was refused is listed by
-`problems()`, so a grade can say why.
+that read it is known to keep it to itself (`_FRAME_SUMMARIES`); and until that library code (or
+gclab's code walking the process's objects, `WATCH_EVENT`) is done with it, the calls it makes are
+watched (see `Guard._arm`).  What was refused is listed by `problems()`, so a grade can say why.
 
 The guard's own state is out of the learner's reach too.  `install()` hands its `Guard` to
 its caller alone: gclab.guard keeps no reference to it, its methods are looked up in a class
@@ -712,14 +713,14 @@ class Guard:
         # gc.callbacks callback of the learner's runs inside the judging, where a name it rebinds after the
         # hook read it would go unseen.
         # While library code holds a frame it read (from the read until the function it read the frame for
-        # returns: a "window"), a profile function of this thread's watches every call it makes: the collector
-        # is off (no gc.callbacks callback or finalizer of the learner's runs), the learner's code may run
-        # only when it is handed nothing that leads to a frame or a namespace (a loader's __getattr__, a key's
-        # __eq__, a file's write), and every call is made through names that are what they were when the
-        # guard was installed (read through copies, taken again after the learner's code ran).  What was
-        # checked when the frame was read holds until the frame is let go: nothing rebinds, after the check,
-        # what the library hands the frame, or a frame's globals, to (linecache.lazycache, a logger's
-        # _is_internal_frame).
+        # returns: a "window"), or gclab's code walks the process's objects (WATCH_EVENT), a profile function
+        # of this thread's watches every call it makes: the collector is off (no gc.callbacks callback or
+        # finalizer of the learner's runs), the learner's code may run only when it is handed nothing that
+        # leads to a frame or a namespace (a loader's __getattr__, a key's __eq__, a file's write), and every
+        # call library code makes goes through names that are what they were when the guard was installed
+        # (`_watch_refusal`; checked again after the learner's code ran).  What was checked when the frame was
+        # read holds until the frame is let go: nothing rebinds, after the check, what the library hands the
+        # frame, or a frame's globals, to (linecache.lazycache, a logger's _is_internal_frame).
         def open_window(anchor, collector_was_on):
             busy.window = _SimpleNamespace(anchor=anchor, collector_was_on=collector_was_on, clean={}, checked=set())
             sys.setprofile(watch)
