@@ -13,6 +13,9 @@
   `get_referrers`, `get_referents`), ctypes, `marshal`, tracing, code of the grader's run
   with other globals; and, as configured, new processes and signals, writing files outside
   the working folder, and reading the course's own files (its solutions);
+- it pins gclab's own code (`gclab.pinning`): every global name it reads is a constant in its
+  bytecode, so a builtin or a name of gclab's swapped in while a check runs, and put back before
+  anything looks, is never asked;
 - it replaces the functions in C that hand a frame to a callable of the caller's, or load
   code that no audit event sees (`_GATED`: signal handlers, fresh builtin modules, extension
   modules, torch's frame-evaluation hooks), by ones that ask the hook, which alone holds the
@@ -52,7 +55,7 @@ import sysconfig
 import threading
 import types
 
-__all__ = ["WATCH_EVENT", "Guard", "install", "sealed", "starting_environment"]
+__all__ = ["WATCH_EVENT", "Guard", "install", "pin_gclab", "sealed", "starting_environment"]
 
 GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "posixpath", "torch", "torch.cuda",
                    "numpy") + (
@@ -215,10 +218,28 @@ def install(workdir=None, processes: bool = False, files: bool = True, hidden=()
                                              if name not in ("__dict__", "__weakref__")})
     originals = _gated_originals()
     guard = sealed(workdir or os.getcwd(), processes, files, hidden)
+    pin_gclab()                        # before the manifest, which takes gclab's code
     guard._arm(originals)
     _install_gates(originals)          # after the hook, which calls the originals (imports use _imp's)
     guard._take_stock()                # the manifest and the modules' globals, gates included
     return guard
+
+
+def pin_gclab() -> int:
+    """Pin the global names of gclab's code (`gclab.pinning`): the builtins, its modules' names, and
+    the functions and classes of the grader's tools (`GUARDED_MODULES`, gclab's modules) that it reads
+    as module attributes.  This module's code, which binds its own names (`sealed`), is left alone.
+    Returns how many functions were pinned now."""
+    from . import pinning
+    gclab_dir = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    modules = {id(m): m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)
+               and os.path.realpath(getattr(m, "__file__", None) or "/").startswith(gclab_dir)
+               and m.__name__ not in (__name__, pinning.__name__)}
+    tools = frozenset(GUARDED_MODULES)
+
+    def pinned_attribute(module, name) -> bool:
+        return module.__name__ in tools or id(module) in modules
+    return pinning.pin(list(modules.values()), pinned_attribute)
 
 
 def sealed(function):
@@ -429,7 +450,7 @@ class Guard:
         # taken by install(), once the gates are in place
         self._manifest, self._snapshots, self._module_snapshots = [], {}, {}
         self._stack_functions, self._stack_classes = (), ()
-        self._name_triples: dict = {}      # library code -> (globals, builtins, names to keep): `_names_kept`
+        self._name_triples: dict = {}      # id of library code -> (it, globals, builtins, names to keep): `_names_kept`
 
     def _take_stock(self) -> None:
         """The manifest of the tools, and every imported module's globals as they are now (before any
@@ -722,7 +743,7 @@ class Guard:
         # read holds until the frame is let go: nothing rebinds, after the check, what the library hands the
         # frame, or a frame's globals, to (linecache.lazycache, a logger's _is_internal_frame).
         def open_window(anchor, collector_was_on):
-            busy.window = _SimpleNamespace(anchor=anchor, collector_was_on=collector_was_on, clean={}, checked=set())
+            busy.window = _SimpleNamespace(anchor=anchor, collector_was_on=collector_was_on, clean={}, checked={})
             sys.setprofile(watch)
 
         def close_window(window):
@@ -888,7 +909,8 @@ class Guard:
         """What a call made in a window (see `_arm`) must be refused for, or None: the learner's code handed
         what leads to a frame or a namespace, or a call made by library code through a name rebound since
         installation.  Library code is told by its file (a str, looked up at no cost), before any id(): the
-        caches below hold library code only, whose hash (of its constants, too) runs no code of the learner's."""
+        caches below are keyed by the code's id (its hash would hash its constants, and gclab's pinned code holds
+        unhashable ones: `gclab.pinning`), and hold the code itself, so that no other code takes its id."""
         if event == "call":
             code = frame.f_code
             if not self._library_file(code.co_filename) and id(code) not in self._trusted_codes:
@@ -897,7 +919,7 @@ class Guard:
                 if self._handed_a_frame(frame):
                     return (f"the notebook's {_text(code.co_name) or 'code'} was handed a frame or a module's "
                             f"globals while {self._holder(window)} could reach the grader's frames")
-                window.clean, window.checked = {}, set()      # it may have rebound any name: read them again
+                window.clean, window.checked = {}, {}      # it may have rebound any name: read them again
                 return None
             caller = frame.f_back
             if caller is None:
@@ -905,13 +927,13 @@ class Guard:
         else:
             caller = frame
         code = caller.f_code
-        if not self._library_file(code.co_filename) or code in window.checked:
+        if not self._library_file(code.co_filename) or window.checked.get(id(code)) is code:
             return None                 # the grader's compiled code and the learner's have globals of their own
         if self._names_kept(code, caller.f_globals, caller.f_builtins, window.clean) is False:
             where = self._where(caller)
             return (f"{where[0]}:{where[1]} called a name rebound since grading began "
                     f"while {self._holder(window)} could reach the grader's frames")
-        window.checked.add(code)
+        window.checked[id(code)] = code
         return None
 
     def _names_kept(self, code, live, live_builtins, clean: dict | None = None):
@@ -923,10 +945,11 @@ class Guard:
         if not self._library_file(code.co_filename):       # a key of the cache would hash its constants
             kept = self._names_to_keep(code, live, live_builtins)
         else:
-            entry = self._name_triples.get(code)
-            if entry is None or entry[0] is not live or entry[1] is not live_builtins:
-                entry = self._name_triples[code] = (live, live_builtins, self._names_to_keep(code, live, live_builtins))
-            kept = entry[2]
+            entry = self._name_triples.get(id(code))
+            if entry is None or entry[0] is not code or entry[1] is not live or entry[2] is not live_builtins:
+                entry = self._name_triples[id(code)] = (code, live, live_builtins,
+                                                        self._names_to_keep(code, live, live_builtins))
+            kept = entry[3]
         if kept is None:
             return None
         for namespace, names in kept:

@@ -113,8 +113,11 @@ def apply_limits(memory_limit) -> None:
 
 
 def preload() -> None:
-    """Import what every verdict needs (gclab.zygote forks verdicts after this)."""
+    """Import what every verdict needs, and pin gclab's names (`guard.pin_gclab`, which `guard.install`
+    would do in each verdict otherwise): gclab.zygote forks verdicts after this."""
     _load_instruments()
+    from gclab import guard
+    guard.pin_gclab()
 
 
 def forked(request: dict, fds: list) -> None:

@@ -718,3 +718,42 @@ def test_a_builtin_rebound_between_two_tests_reaches_neither(tmp_path):
     nbformat.write(lesson(PLANTS_A_BUILTIN_BETWEEN_TESTS, BUILTIN_TESTS), path)
     [result] = grading.grade([path], root=course, cell_timeout=10)
     assert result.score == 0 and "builtins.all was replaced" in result.reason, grading.format_results([result])
+
+
+# A step that leaks only while the meter watches, and a stand-in that says True to the flat check's
+# `all(g == 0 for g in growth)` the three times it is asked (run_flat_check twice, assert_flat once), then
+# puts the real one back: before gclab's names were pinned it passed the leak off as flat
+FLAT_TESTS = [("test_flat", "checks.assert_flat(checks.run_flat_check(step, iterations=10))", 2)]
+LEAKS_WHILE_WATCHED = (
+    "import builtins, sys, types, torch\n_kept = []\n_real_all = builtins.all\n_asked = []\n"
+    "def step(i):\n"
+    "    if torch._C._len_torch_dispatch_stack():\n        _kept.append(torch.ones(1000))\n"
+    "    if i == 9:\n        {plant}\n"
+    "def _all(items):\n"
+    "    if type(items) is not types.GeneratorType:\n        return _real_all(items)\n"
+    "    _asked.append(1)\n"
+    "    if len(_asked) == 3:\n        {restore}\n"
+    "    return True\n")
+LIES_INSIDE_GCLABS_CHECK = {
+    "builtin_that_lies_to_the_flat_check_then_restores": LEAKS_WHILE_WATCHED.format(
+        plant="vars(builtins)['all'] = _all", restore="vars(builtins)['all'] = _real_all"),
+    "checks_global_that_lies_to_the_flat_check_then_goes": LEAKS_WHILE_WATCHED.format(
+        plant="vars(sys.modules['gclab.' + 'checks'])['all'] = _all",
+        restore="del vars(sys.modules['gclab.' + 'checks'])['all']"),
+}
+
+
+def test_a_name_gclabs_check_reads_cannot_be_swapped_while_it_runs(tmp_path):
+    """gclab's code looks up none of its global names while it runs (`gclab.pinning`): a builtin or a name
+    put in gclab's module that lies to the flat check and then goes is never asked."""
+    course = make_course(tmp_path / "course", {"toy": lesson(
+        "### BEGIN SOLUTION\ndef step(i):\n    torch.ones(1000)\n### END SOLUTION", FLAT_TESTS,
+        setup="import gc, torch\nfrom gclab import checks")})
+    paths = []
+    for name, answer in LIES_INSIDE_GCLABS_CHECK.items():
+        paths.append(tmp_path / f"{name}-toy.ipynb")
+        nbformat.write(lesson(answer, FLAT_TESTS, setup="import gc, torch\nfrom gclab import checks"), paths[-1])
+    builtin, module_global = grading.grade(paths, root=course, cell_timeout=30)
+    assert builtin.score == 0 and "builtins.all was replaced" in builtin.reason, grading.format_results([builtin])
+    assert module_global.score == 0, grading.format_results([module_global])
+    assert "memory did not return to its baseline" in module_global.tests[0].message, grading.format_results([module_global])

@@ -319,7 +319,12 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     kept, target = kept_exception()
     while_replaced(vars(builtins), "isinstance", stand_in(isinstance), "gclab.held's walk, a builtin rebound",
                    lambda: gclab.held.tensors_held([kept], "kept"))
-    while_replaced(vars(gclab.held), "_children", stand_in(vars(gclab.held)["_children"]),
+    children = vars(gclab.held)["_children"]
+
+    def called_through_its_rebound_name(*args, **kwargs):
+        outcomes["gclab's function called through its rebound name"] = True
+        return stand_in(children)(*args, **kwargs)
+    while_replaced(vars(gclab.held), "_children", called_through_its_rebound_name,
                    "gclab.held's walk, one of its functions rebound", lambda: gclab.held.tensors_held([kept], "kept"))
     while_replaced(vars(builtins), "isinstance", stand_in(isinstance), "gclab.refs' search, a builtin rebound",
                    lambda: gclab.refs.reference_paths(target))
@@ -408,7 +413,6 @@ def routes(tmp_path_factory):
      "traceback.py:extract_stack could reach the grader's frames"),
     ("gclab.held's walk, a builtin rebound", "gclab/held.py:_walk called a name rebound since grading began "
      "while gclab/held.py:tensors_held could reach the grader's frames"),
-    ("gclab.held's walk, one of its functions rebound", "gclab/held.py:_unseen_children called a name rebound"),
     ("gclab.refs' search, a builtin rebound", "called a name rebound since grading began while "
      "gclab/refs.py:reference_paths could reach the grader's frames"),
     ("a key of the learner's in linecache's cache, compared in the summary",
@@ -416,6 +420,13 @@ def routes(tmp_path_factory):
 ])
 def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
     assert refusal in routes["outcomes"][route], routes["outcomes"][route]
+
+
+def test_gclabs_walk_calls_none_of_its_own_functions_rebound(routes):
+    """gclab's code is pinned when the guard is installed (`gclab.pinning`): its walk calls its own function,
+    not the stand-in put in its module's namespace, which is handed nothing."""
+    assert routes["outcomes"]["gclab.held's walk, one of its functions rebound"] == "allowed"
+    assert "gclab's function called through its rebound name" not in routes["outcomes"]
 
 
 def test_a_gate_judges_what_is_asked_whoever_asks(routes):
