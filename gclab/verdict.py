@@ -326,6 +326,8 @@ class _Printed(io.StringIO):
 
 
 def main() -> int:
+    from gclab import zygote
+    zygote.die_with_parent(os.getppid())        # the grader: a verdict never outlives it
     channel = int(sys.argv[1])
     job = _read_job(sys.stdin.buffer.read())
     run(job, channel)

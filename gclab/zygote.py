@@ -9,7 +9,7 @@ descriptors, passed over a Unix socket with SCM_RIGHTS) it forks a child that ru
 gets the child's pid and, where Linux has them, a pidfd, to wait for the child and signal it
 without racing pid reuse.  Children are reaped by the kernel; nothing of one reaches the next,
 since each is a fork of the same untouched server.  The server exits when the requester
-closes its socket, or dies.  It runs isolated (-I): nothing in the current folder or in
+closes its socket, or dies, and its children with it (`die_with_parent`).  It runs isolated (-I): nothing in the current folder or in
 PYTHON* variables is imported in place of the real modules.
 
 Who forks from one:
@@ -20,6 +20,7 @@ Who forks from one:
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
@@ -62,9 +63,33 @@ def available() -> bool:
     return hasattr(socket, "send_fds") and hasattr(os, "fork")
 
 
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent ends (Linux's PR_SET_PDEATHSIG), and end it
+    now if `parent` has already gone.  A grader killed mid-grading (SIGTERM, a closed terminal) runs no
+    clean-up: its verdict process, in a session of its own, would otherwise run on unwatched (a
+    submission that loops forever, for good).  Elsewhere, nothing is done."""
+    prctl = getattr(_LIBC, "prctl", None) if _LIBC is not None else None
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+_LIBC = _libc() if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
 def serve(sock: socket.socket, module_name: str) -> None:
     module = importlib.import_module(module_name)
     module.preload()
+    server = os.getpid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)       # children are reaped by the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # a Ctrl-C meant for the requester
     while True:
@@ -77,7 +102,7 @@ def serve(sock: socket.socket, module_name: str) -> None:
         request = json.loads(data)
         pid = os.fork()
         if pid == 0:
-            _become(sock, module, request, fds)
+            _become(sock, module, request, fds, server)
         for fd in fds:
             os.close(fd)
         pidfd = _pidfd(pid)
@@ -93,9 +118,11 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _become(sock: socket.socket, module, request: dict, fds: list) -> None:
-    """In the forked child: never returns into the server's loop."""
+def _become(sock: socket.socket, module, request: dict, fds: list, server: int) -> None:
+    """In the forked child: never returns into the server's loop, nor outlives the server (which
+    ends when its requester does)."""
     try:
+        die_with_parent(server)
         sock.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)     # KeyboardInterrupt, as in any Python

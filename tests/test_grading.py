@@ -464,6 +464,14 @@ def _running(pid: int) -> bool:
     return state != "Z"                   # a zombie has stopped; only its exit status is left
 
 
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")     # utime + stime
+
+
 def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
     deadline = time.monotonic() + seconds
     while _running(pid) and time.monotonic() < deadline:
@@ -492,6 +500,27 @@ def test_a_notebook_that_times_out_as_a_whole_is_stopped_with_its_process(course
     assert all(t.status == "timeout" for t in result.tests)
     assert "longer than 15 s" in result.reason
     assert not _verdict_processes(), "the verdict process of a stopped grading job is still running"
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked_from_the_zygote", "started_as_a_process"])
+def test_a_grader_killed_mid_grading_leaves_no_verdict_running(course, tmp_path, forked):
+    """A grader killed outright (SIGKILL: no clean-up runs) takes its verdict processes with it: the one
+    grading a notebook that loops forever would run on, unwatched, for good."""
+    path = _submit(course, tmp_path, "loops_forever", IGNORES_INTERRUPTS)
+    env = dict(os.environ, GCLAB_GRADE_FORK="1" if forked else "0")
+    grader = subprocess.Popen([sys.executable, "-m", "gclab", "grade", str(path)], cwd=course, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, verdicts = time.monotonic() + 90, []
+        while time.monotonic() < deadline and not any(_cpu_seconds(pid) > 6 for pid in verdicts):   # in the loop
+            time.sleep(0.2)
+            verdicts = [pid for pid in _descendants_of(grader.pid) if _running(pid)
+                        and b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert any(_cpu_seconds(pid) > 6 for pid in verdicts), "no verdict process ran the submission's loop"
+    finally:
+        grader.kill()
+        grader.wait()
+    assert all(_stopped_in_time(pid) for pid in verdicts), "a verdict process outlived its grader"
 
 
 def test_a_job_run_as_a_subprocess_is_stopped_with_what_it_started(tmp_path):
