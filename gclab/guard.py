@@ -226,20 +226,16 @@ def install(workdir=None, processes: bool = False, files: bool = True, hidden=()
 
 
 def pin_gclab() -> int:
-    """Pin the global names of gclab's code (`gclab.pinning`): the builtins, its modules' names, and
-    the functions and classes of the grader's tools (`GUARDED_MODULES`, gclab's modules) that it reads
-    as module attributes.  This module's code, which binds its own names (`sealed`), is left alone.
-    Returns how many functions were pinned now."""
+    """Pin the global names of gclab's code (`gclab.pinning`): the builtins, its modules' names, and the
+    functions, classes and modules it reads as module attributes (`gc.collect`, `subprocess.Popen`).
+    This module's code, which binds its own names (`sealed`), is left alone.  Returns how many
+    functions were pinned now."""
     from . import pinning
     gclab_dir = os.path.dirname(os.path.realpath(__file__)) + os.sep
     modules = {id(m): m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)
                and os.path.realpath(getattr(m, "__file__", None) or "/").startswith(gclab_dir)
                and m.__name__ not in (__name__, pinning.__name__)}
-    tools = frozenset(GUARDED_MODULES)
-
-    def pinned_attribute(module, name) -> bool:
-        return module.__name__ in tools or id(module) in modules
-    return pinning.pin(list(modules.values()), pinned_attribute)
+    return pinning.pin(list(modules.values()))
 
 
 def sealed(function):

@@ -9,11 +9,13 @@ True once and then put the real one back could have passed a leak off as flat.
 `pin(modules)` rewrites the bytecode of every function of those modules (their methods, nested
 functions and comprehensions included) so that each such name is a constant: what it named when
 `pin` ran.  A module's attribute read right after (`gc.collect`, `torch.cuda.memory_allocated`) is
-folded in too, for the modules `pinned_attributes` allows.  The code keeps its length, its line
+folded in too where it is a function, a class or a module (data, such as `sys.stdout`, is read live),
+for the modules `pinned_attributes` allows.  The code keeps its length, its line
 numbers and its jump targets: a load and its inline caches become `[PUSH_NULL] LOAD_CONST` and NOPs.
 Functions keep their identity (only `__code__` changes), so what refers to them needs no update.
 
-Only where the bytecode is known (CPython 3.11); elsewhere `pin` changes nothing and says so.
+Only where the bytecode is known (CPython 3.11); elsewhere `SUPPORTED` is False and `pin` changes
+nothing.
 """
 from __future__ import annotations
 

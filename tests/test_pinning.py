@@ -174,6 +174,18 @@ def test_a_hook_libraries_rebind_is_read_live():
         sys.excepthook = real
 
 
+def test_a_modules_data_is_read_live():
+    module = types.ModuleType("reads_data")
+    exec("import sys\ndef stream():\n    return sys.stdout\n", vars(module))
+    pinning.pin([module])
+    real = sys.stdout
+    sys.stdout = replaced = types.SimpleNamespace()
+    try:
+        assert module.stream() is replaced
+    finally:
+        sys.stdout = real
+
+
 def test_tracebacks_still_name_the_line(sample):
     pinning.pin([sample])
     with pytest.raises(ValueError) as caught:
