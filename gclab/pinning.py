@@ -78,7 +78,7 @@ def _functions_of(modules, namespaces) -> list:
                 pending += [cell.cell_contents for cell in value.__closure__ or () if _filled(cell)]
                 pending += [vars(value).get("__wrapped__")]
         elif isinstance(value, type):
-            if any(id(vars(sys.modules.get(value.__module__, types))) == n for n in namespaces):
+            if id(vars(sys.modules.get(value.__module__, types))) in namespaces:
                 pending += list(vars(value).values())
         elif isinstance(value, (staticmethod, classmethod)):
             pending.append(value.__func__)

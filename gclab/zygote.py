@@ -9,8 +9,9 @@ descriptors, passed over a Unix socket with SCM_RIGHTS) it forks a child that ru
 gets the child's pid and, where Linux has them, a pidfd, to wait for the child and signal it
 without racing pid reuse.  Children are reaped by the kernel; nothing of one reaches the next,
 since each is a fork of the same untouched server.  The server exits when the requester
-closes its socket, or dies, and its children with it (`die_with_parent`).  It runs isolated (-I): nothing in the current folder or in
-PYTHON* variables is imported in place of the real modules.
+closes its socket, or dies, and its children with it (`die_with_parent`).  It runs isolated
+(-I): nothing in the current folder or in PYTHON* variables is imported in place of the real
+modules.
 
 Who forks from one:
 - gclab.grading, verdict processes (`gclab.verdict`: torch, matplotlib, IPython and gclab
@@ -67,8 +68,8 @@ def die_with_parent(parent: int) -> None:
     """Have the kernel kill this process when its parent ends (Linux's PR_SET_PDEATHSIG), and end it
     now if `parent` has already gone.  A grader killed mid-grading (SIGTERM, a closed terminal) runs no
     clean-up: its verdict process, in a session of its own, would otherwise run on unwatched (a
-    submission that loops forever, for good).  Elsewhere, nothing is done."""
-    prctl = getattr(_LIBC, "prctl", None) if _LIBC is not None else None
+    submission that loops forever, for good).  Where there is no prctl (not Linux), only the latter."""
+    prctl = getattr(_LIBC, "prctl", None)
     if prctl is not None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
