@@ -14,6 +14,7 @@
 #   make clean-grades             remove autograded/, feedback/ and reports/ (submissions and
 #                                 the gradebook are kept)
 #   make bench                    gclab bench on this machine
+#   make gpu-check                on a CUDA GPU: run and grade every lesson on CUDA and on CPU, compare
 #   make clean / make distclean   remove caches / also remove .venv
 #
 # PIP_ARGS is passed to pip install, e.g. for CPU-only torch wheels from PyTorch's index
@@ -40,7 +41,7 @@ AUTHOR      ?=
 
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
-.PHONY: help setup lab test release grade grade-class clean-grades bench clean distclean constraints
+.PHONY: help setup lab test release grade grade-class clean-grades bench gpu-check clean distclean constraints
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -89,6 +90,9 @@ clean-grades:
 
 bench: $(STAMP)
 	$(PY) -m gclab bench
+
+gpu-check: $(STAMP) $(KERNEL)
+	$(PY) -m gclab gpu-check
 
 # Rewrite constraints.txt from the installed .venv (see the header of constraints.txt).
 constraints: $(STAMP)

@@ -58,6 +58,14 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="time the lessons, their grading and the meter's overhead")
     b.add_argument("lessons", nargs="*", help="lesson folders to bench (default: all)")
 
+    c = sub.add_parser("gpu-check", help="on a CUDA GPU: run and grade every lesson on CUDA and on the CPU, "
+                                         "compare, and run the device tests")
+    c.add_argument("lessons", nargs="*", help="lesson folders to check (default: all)")
+    c.add_argument("--jobs", type=int, default=3, help="lessons checked at once on each device (default 3)")
+    c.add_argument("--json", type=Path, help="write everything measured (every cell's text output too) here")
+    c.add_argument("--no-tests", action="store_true", help="skip the device tests")
+    c.add_argument("--side", choices=["both", "cuda", "cpu"], default="both", help=argparse.SUPPRESS)
+
     args = parser.parse_args(argv)
     from . import grading
 
@@ -94,6 +102,10 @@ def main(argv=None) -> int:
             return 130
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
+    if args.command == "gpu-check":
+        from . import gpucheck
+        return gpucheck.main(args.course or grading.find_course_root(), args.lessons, side=args.side,
+                             jobs=max(1, args.jobs), json_path=args.json, tests=not args.no_tests)
     from . import bench
     return bench.main(args.course or grading.find_course_root(), args.lessons)
 

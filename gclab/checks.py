@@ -21,7 +21,7 @@ import torch
 
 from .gcwatch import Collection, GCWatch
 from .held import HeldBytes, HeldReport, StorageCensus, graphs_held
-from .memory import AllocationCensus, Meter, ProcessMemory, format_bytes, process_memory
+from .memory import AllocationCensus, Meter, ProcessMemory, cuda_bytes, format_bytes, process_memory
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
@@ -503,7 +503,7 @@ def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[Stora
 
 
 def _device_bytes(device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return cuda_bytes(device) if device.type == "cuda" else 0
 
 
 def _run_collector_on(step, meter, report: FlatReport, start: int, storages_before: StorageCensus | None = None,

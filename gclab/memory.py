@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AllocationCensus", "Meter", "MeterPoint", "ProcessMemory", "default_device", "describe_device", "device_storage",
+__all__ = ["AllocationCensus", "Meter", "MeterPoint", "ProcessMemory", "cuda_bytes", "default_device", "describe_device",
+           "device_storage",
            "format_bytes", "process_memory"]
 
 MiB = 1024**2
@@ -58,6 +59,20 @@ def describe_device(device) -> str:
         return f"CUDA device {device} ({name}): the caching allocator's own counters, a real budget"
     return ("CPU: exact byte count of live tensor storage; "
             "no GPU here, so any device budget is simulated by the meter")
+
+
+def cuda_bytes(device=None, what: str = "allocated_bytes", which: str = "current") -> int:
+    """A figure of PyTorch's CUDA caching allocator: `what` is "allocated_bytes" (live tensors,
+    `torch.cuda.memory_allocated`) or "reserved_bytes" (`memory_reserved`), `which` is "current"
+    or "peak"; 0 before CUDA is initialised.
+
+    Read from `torch.cuda.memory_stats_as_nested_dict`, not through `torch.cuda.memory_allocated()`
+    and its siblings: those flatten the statistics with a nested function that refers to itself,
+    so each call leaves a reference cycle holding every statistic (about 250 objects on a GPU) for
+    the collector.  A meter read every step would then set off collections of its own, and free
+    the very cycles a lesson is measuring."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return stats.get(what, {}).get("all", {}).get(which, 0)
 
 
 def format_bytes(n: float) -> str:
@@ -425,18 +440,17 @@ class Meter:
     def _enter_cuda(self):
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.baseline = torch.cuda.memory_allocated(self.device)
+        self.baseline = cuda_bytes(self.device)
         if self.budget is not None:
             torch.cuda.empty_cache()
             total = torch.cuda.get_device_properties(self.device).total_memory
-            cap = torch.cuda.memory_reserved(self.device) + self.budget
+            cap = cuda_bytes(self.device, "reserved_bytes") + self.budget
             get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
             self._cuda_fraction = get_fraction(self.device) if get_fraction else 1.0
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
 
     def _exit_cuda(self):
-        self._final = (torch.cuda.memory_allocated(self.device),
-                       torch.cuda.max_memory_allocated(self.device))
+        self._final = (cuda_bytes(self.device), cuda_bytes(self.device, which="peak"))
         if self._cuda_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(self._cuda_fraction, self.device)
             self._cuda_fraction = None
@@ -447,7 +461,7 @@ class Meter:
         if not self._active:
             return self._final[0] if self._started is not None else 0
         if self.is_cuda:
-            return torch.cuda.memory_allocated(self.device)
+            return cuda_bytes(self.device)
         return self._tracker.total
 
     def growth(self) -> int:
@@ -459,7 +473,7 @@ class Meter:
         if not self._active:
             return self._final[1] if self._started is not None else 0
         if self.is_cuda:
-            return torch.cuda.max_memory_allocated(self.device)
+            return cuda_bytes(self.device, which="peak")
         return self._tracker.peak
 
     def reserved(self) -> int:
@@ -472,7 +486,7 @@ class Meter:
         `empty_cache()` changes nothing.
         """
         if self.is_cuda and self._active:
-            return torch.cuda.memory_reserved(self.device)
+            return cuda_bytes(self.device, "reserved_bytes")
         return self.allocated()
 
     def record(self, label: str = "") -> int:

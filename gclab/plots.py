@@ -7,6 +7,7 @@ import numpy as np
 from .memory import MiB
 
 __all__ = ["plot_timeline", "held_after_collections", "plot_ratchet", "plot_floors", "panel_below", "plot_latency",
+           "plot_allocated_reserved",
            "plot_latency_spread", "plot_requests", "GENERATION_COLOURS"]
 
 GENERATION_COLOURS = {0: "tab:green", 1: "tab:orange", 2: "tab:red"}
@@ -255,4 +256,25 @@ def plot_requests(trace, load=None, ax=None, window=None, title="Requests and co
     ax.set_title(title)
     if drawn:
         ax.legend(loc="upper right", fontsize="small")
+    return ax
+
+
+def plot_allocated_reserved(run, ax=None, title=None, max_ticks=14):
+    """A recorded run (`gclab.traces.RecordedRun`): allocated memory (live tensors) and reserved
+    memory (the caching allocator's segments) at each mark, MiB above the start; the marks' labels
+    on the x axis when there are few of them."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.6))
+    xs = range(len(run.labels))
+    ax.step(xs, [r / MiB for r in run.reserved], where="post", lw=5, alpha=0.35, color="tab:orange",
+            label="reserved: what the allocator holds")
+    ax.step(xs, [a / MiB for a in run.allocated], where="post", lw=1.8, color="tab:blue",
+            label="allocated: live tensors")
+    if len(run.labels) <= max_ticks:
+        ax.set_xticks(list(xs), run.labels, rotation=35, ha="right")
+    else:
+        ax.set_xlabel("mark")
+    ax.set_ylabel("MiB above the start")
+    ax.set_title(title or run.name)
+    ax.legend(loc="upper right", fontsize="small")
     return ax

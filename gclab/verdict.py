@@ -162,10 +162,24 @@ def run(job: dict, channel: int) -> None:
     # of each frame's locals (code of the learner's), is never drawn (the cell's error is described from
     # the result: `_describe`)
     shell.showtraceback = shell.showsyntaxerror = shell.showindentationerror = lambda *args, **kwargs: None
+    _initialise_cuda()
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
     # from here on, this module's names (and the builtins) as they are now, whatever the learner's
     # code rebinds through this module's __dict__ (a _run_test that says "passed")
     guard.sealed(_grade)(job, channel, token, shell, keeper)
+
+
+def _initialise_cuda() -> None:
+    """On a machine with CUDA, initialise it before the guard takes its manifest.  torch.cuda starts
+    lazily, at the first use of the device, and then rebinds attributes of its own (`_initialized`,
+    `default_generators`, `_cached_device_count`), which the guard would take for the learner's
+    code replacing them.  Here, in the verdict process, never in the zygote: a process forked after
+    CUDA started cannot use it."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.cuda.device_count()
+        torch.cuda.current_device()
 
 
 def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:

@@ -1,0 +1,1 @@
+"""Traces recorded on real GPUs (see README.md here): installed with gclab as `gclab.data`."""
