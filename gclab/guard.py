@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import importlib.machinery
 import itertools
 import operator
 import os
@@ -123,6 +124,7 @@ _IMPORTING = ("<frozen importlib._bootstrap>", "_call_with_frames_removed")
 _EXECUTING_A_MODULE = ("<frozen importlib._bootstrap_external>", "exec_module")
 _COMPILING_BYTECODE = ("<frozen importlib._bootstrap_external>", "_compile_bytecode")
 _GETTING_CODE = ("<frozen importlib._bootstrap_external>", "get_code")
+_SOURCE_TO_CODE = ("<frozen importlib._bootstrap_external>", "source_to_code")
 _FRAME_EVENTS = frozenset({"sys._getframe", "object.__getattr__"})
 # Code that resumes where it left off (a generator, a coroutine): a profiler sees it "return" at every yield.
 # CO_GENERATOR, CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR:
@@ -146,7 +148,9 @@ _REACHING = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents",
                        "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function", "ctypes.addressof",
                        "ctypes.cdata/buffer", "ctypes.create_string_buffer", "ctypes.string_at",
                        "ctypes.wstring_at", "function.__new__", "sys.monitoring.register_callback",
-                       "cpython.PyInterpreterState_Clear", "sys._getframemodulename"})
+                       "cpython.PyInterpreterState_Clear"})
+# (Not sys._getframemodulename, Python 3.12's: it hands back a module's name, no frame, and
+# collections.namedtuple, enum and typing call it for every class they make.)
 # Functions in C that hand a frame to a callable of the caller's, or load code that no audit event
 # sees: each is replaced by one that asks the guard (an audit event), and only the guard's hook holds
 # the original.  A signal handler is called with the interrupted frame; a fresh _signal or _imp module
@@ -852,7 +856,8 @@ class Guard:
             return None
         if event in ("compile", "code.__new__"):
             filename = self._path(args[1])
-            if filename and self._library_file(filename) and self.learner_on_stack(frame):
+            if (filename and self._library_file(filename) and self.learner_on_stack(frame)
+                    and not (event == "compile" and self._compiles_library_source(filename, frame))):
                 return f"{event} of code that claims to be {filename}"
             return None
         if event in _PROCESS_EVENTS:
@@ -1054,6 +1059,19 @@ class Guard:
             return False
         paths = [frame.f_locals.get("bytecode_path"), frame.f_locals.get("source_path")]
         return all(path is None or (type(path) is str and self._library_file(path)) for path in paths) and any(paths)
+
+    def _compiles_library_source(self, filename, frame) -> bool:
+        """compile by the import system of a library module whose cached bytecode is missing or stale
+        (a read-only site-packages, PYTHONDONTWRITEBYTECODE): source_to_code, called by the get_code of
+        a plain SourceFileLoader, which read the source from that very file."""
+        source_to_code = frame.f_back if frame is not None and self._where(frame) == _IMPORTING else None
+        if source_to_code is None or self._where(source_to_code) != _SOURCE_TO_CODE:
+            return False
+        get_code = source_to_code.f_back
+        if get_code is None or self._where(get_code) != _GETTING_CODE:
+            return False
+        loader, path = get_code.f_locals.get("self"), get_code.f_locals.get("source_path")
+        return type(loader) is importlib.machinery.SourceFileLoader and type(path) is str and path == filename
 
     def _judge_gate(self, args, frame):
         """A gated function (`_GATED`) called: no signal handler but those that ignore the frame they get

@@ -20,6 +20,9 @@ GRADER = textwrap.dedent('''
     import gclab.checks, gclab.memory, gclab.serving
     from gclab import guard
     workdir = sys.argv[1]
+    if len(sys.argv) > 2:         # a folder of installed libraries whose bytecode is never cached
+        sys.path.append(sys.argv[2])
+        sys.dont_write_bytecode = True
     grader = sys._getframe(0).f_code
     keeper = guard.install(workdir, processes=False, files=True)
     keeper.trust(grader)
@@ -124,7 +127,7 @@ def test_every_replacement_is_listed_by_the_installers_handle(attacked, replaced
 # verdict's frames (and with them the result channel's token); and what honest code does with the
 # same libraries, which stays allowed.
 ROUTES = ATTEMPT + textwrap.dedent('''
-    import functools, heapq, inspect, os, shutil, signal, sys, traceback, types
+    import functools, heapq, importlib.machinery, inspect, os, shutil, signal, sys, textwrap, traceback, types
     import gclab.guard
 
     def caught():
@@ -185,6 +188,12 @@ ROUTES = ATTEMPT + textwrap.dedent('''
     attempt("code renamed as gclab's", lambda: __import__("_imp")._fix_co_filename(
         compile("sys._getframe(0)", workdir_file, "eval"), gclab.checks.__file__))
     attempt("code named as a frozen module", lambda: eval(compile("sys._getframe(0)", "<frozen importlib._bootstrap>", "eval")))
+
+    class SourceOfItsOwn(importlib.machinery.SourceFileLoader):
+        def get_data(self, path):
+            return b"import sys; sys._getframe(0)"
+    attempt("a loader of the learner's that gives a library file other source",
+            lambda: SourceOfItsOwn("textwrap_forged", textwrap.__file__).get_code("textwrap_forged"))
     attempt("code named by a relative path into the libraries",
             lambda: eval(compile("sys._getframe(0)", "../" * 12 + os.__file__.lstrip("/"), "eval")))
     attempt("a path whose __fspath__ the hook would call", lambda: shutil.rmtree(PathThatReadsFrames(), ignore_errors=True))
@@ -365,6 +374,10 @@ HONEST = textwrap.dedent('''
             self.lines.append(text)
 
     attempt("libraries that read frames for their own use", library_uses)
+
+    # a library with no cached bytecode (a read-only site-packages, PYTHONDONTWRITEBYTECODE): the import
+    # system compiles its source, and the compile names the library's file
+    attempt("a library module compiled from its source", lambda: __import__("library_without_bytecode"))
 ''')
 
 
@@ -380,7 +393,11 @@ def routes(tmp_path_factory):
     prelude = f"workdir_file = {str(workdir / 'learner.py')!r}\n"
     (workdir / "learner.py").write_text(prelude + ROUTES + HONEST + LEFT_IN_PLACE)
     (workdir / "hidden.py").write_text(HIDDEN_TEST)
-    done = subprocess.run([sys.executable, "-c", GRADER, str(workdir)], capture_output=True, text=True, timeout=120)
+    libraries = tmp_path_factory.mktemp("installed") / "site-packages"
+    libraries.mkdir()
+    (libraries / "library_without_bytecode.py").write_text("VALUE = 1\n")
+    done = subprocess.run([sys.executable, "-c", GRADER, str(workdir), str(libraries)], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -406,6 +423,7 @@ def routes(tmp_path_factory):
     ("a module of the notebook's own from its cached bytecode", "marshal.loads (code loaded from bytes could be any"),
     ("code renamed as gclab's", "_imp._fix_co_filename (it would name the notebook's code after a library's file)"),
     ("code named as a frozen module", "compile of code that claims to be <frozen importlib._bootstrap>"),
+    ("a loader of the learner's that gives a library file other source", "compile of code that claims to be /"),
     ("code named by a relative path into the libraries", "sys._getframe"),
     ("the guard's own names rebound", "sys._getframe"),
     ("a loader of the learner's, asked in the summary",
@@ -446,6 +464,7 @@ def test_the_hook_runs_none_of_the_learners_code(routes):
 
 def test_libraries_that_read_frames_for_their_own_use_still_work(routes):
     assert routes["outcomes"]["libraries that read frames for their own use"] == "allowed"
+    assert routes["outcomes"]["a library module compiled from its source"] == "allowed"
     assert routes["outcomes"]["the stack's last frame"] == "library_uses"
     assert routes["outcomes"]["the stack printed to a file of its own"] is True
 
