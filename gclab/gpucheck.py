@@ -116,7 +116,7 @@ def run_device_tests(root: Path) -> dict:
     lines = (done.stdout + done.stderr).strip().splitlines()
     counts = [line for line in lines if re.search(r"\d+ (passed|failed|error)", line)]
     return {"modules": tests, "returncode": done.returncode, "summary": counts[-1] if counts else "no result",
-            "seconds": round(time.perf_counter() - start, 1), "tail": "\n".join(lines[-60:])}
+            "seconds": round(time.perf_counter() - start, 1), "tail": "\n".join(lines[-400:])}
 
 
 def _same_verdict(gpu: dict, cpu: dict) -> bool:

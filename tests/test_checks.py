@@ -18,6 +18,15 @@ class Node:
         self.other = None
 
 
+@pytest.fixture(autouse=True)
+def measured_on_the_cpu(monkeypatch):
+    """The steps here make CPU tensors (torch.zeros with no device), so the checks measure the CPU,
+    also on a machine with CUDA, where the default device would be the GPU and a CPU tensor kept
+    would go unseen: the CUDA path is checked by every lesson under `gclab gpu-check`."""
+    import gclab.memory
+    monkeypatch.setattr(gclab.memory, "default_device", lambda: torch.device("cpu"))
+
+
 @pytest.fixture
 def collect_after():
     yield
@@ -785,7 +794,9 @@ def test_a_step_that_replaces_what_its_warm_up_made_keeps_nothing_by_the_census(
 def test_a_step_that_stops_the_census_profiler_fails_the_check(collect_after):
     report = run_flat_check(lambda i: torch.autograd._disable_profiler() and i, iterations=4)
     assert not report.ok
-    assert "stopped the profiler that counts allocations" in report.explain()
+    # torch 2.13 lets the step stop it; torch 2.11 refuses the call (the step raises): fails either way
+    assert ("stopped the profiler that counts allocations" in report.explain()
+            or "Can't disable Kineto profiler when it's not running" in report.explain()), report.explain()
 
 
 def test_a_check_started_under_a_running_profiler_says_it_cannot_count(collect_after):
