@@ -107,7 +107,7 @@ def ratchet_plan(device):
     steps_per_collection = gc.get_threshold()[0] / per_step
     ratchet_steps = int(14 * (gc.get_threshold()[1] + 1) * steps_per_collection)
     with Meter(device) as meter, GCWatch() as watch:
-        peak, older_seen = 0, False
+        peak = 0
         for i in range(ratchet_steps):
             step()
             if any(c.generation >= 1 for c in watch.collections):
@@ -177,9 +177,6 @@ def record_all(device, out: Path, command: str) -> dict:
 # -- facts: the budget on both meters, and the two detectors -------------------------------------
 def oom_steps(device, plan) -> dict:
     """The out-of-memory step of each scenario under the same budget, on `device`'s meter."""
-    def first_oom(run):
-        return None if run.oom_mark is None else run.oom_mark
-
     crash = traces.record(stepping(leaky_step(device), 4 * int(plan["steps_per_collection"])), "crash", device,
                           budget=plan["crash_budget"])
     ratchet = with_heap(150_000, lambda: traces.record(stepping(leaky_step(device), plan["ratchet_steps"]),
@@ -187,7 +184,7 @@ def oom_steps(device, plan) -> dict:
     leak = traces.record(stepping(lambda: wait_once(device), 2000), "awaitable", device, budget=24 * MiB)
     result = {}
     for run in (crash, ratchet, leak):
-        at = first_oom(run)
+        at = run.oom_mark
         result[run.name] = {"oom_step": at, "budget": run.budget,
                             "allocated_at_oom": run.allocated[at - 1] if at else None,
                             "reserved_at_oom": run.reserved[at - 1] if at else None,
