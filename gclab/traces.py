@@ -102,8 +102,8 @@ class Trace:
         return (f"{p['gpu']}, driver {p['driver']}, CUDA {p['cuda']}, torch {p['torch']}, Python {p['python']}; "
                 f"`{p['command']}`; {p['date']}")
 
-    def label(self, run: str) -> str:
-        """A plot title's note that says what was recorded, where and when."""
+    def label(self) -> str:
+        """A plot title's note that says where and when the trace was recorded."""
         return f"recorded on {self.provenance['gpu']}, torch {self.provenance['torch']}, {self.provenance['date'][:10]}"
 
 

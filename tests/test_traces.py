@@ -98,7 +98,7 @@ def test_each_recording_can_be_drawn_as_its_lesson_draws_it(path):
         run = trace.runs[name]
         fig, ax = plt.subplots()
         if path.name.startswith("00"):
-            plot_allocated_reserved(run, ax=ax, title=trace.label(name))
+            plot_allocated_reserved(run, ax=ax, title=trace.label())
             assert len(ax.lines) == 2
         elif name == "ratchet":
             top, below = plot_ratchet(run, run.collections, ax=ax)
