@@ -442,9 +442,16 @@ def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
 
 def test_gclabs_walk_calls_none_of_its_own_functions_rebound(routes):
     """gclab's code is pinned when the guard is installed (`gclab.pinning`): its walk calls its own function,
-    not the stand-in put in its module's namespace, which is handed nothing."""
-    assert routes["outcomes"]["gclab.held's walk, one of its functions rebound"] == "allowed"
-    assert "gclab's function called through its rebound name" not in routes["outcomes"]
+    not the stand-in put in its module's namespace, which is handed nothing.  Where pinning is not supported
+    (Python other than 3.11) the guard refuses the call instead."""
+    from gclab import pinning
+    outcome = routes["outcomes"]["gclab.held's walk, one of its functions rebound"]
+    if pinning.SUPPORTED:
+        assert outcome == "allowed", outcome
+        assert "gclab's function called through its rebound name" not in routes["outcomes"]
+    else:   # a Python whose bytecode gclab does not pin: the stand-in is called, and refused what it would be handed
+        assert ("gclab/held.py:_unseen_children called a name rebound since grading began while "
+                "gclab/held.py:tensors_held could reach the grader's frames") in outcome, outcome
 
 
 def test_a_gate_judges_what_is_asked_whoever_asks(routes):
