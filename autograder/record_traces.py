@@ -153,37 +153,36 @@ def with_heap(objects, work):
         gc.collect()
 
 
-def record_all(device, out: Path, command: str) -> dict:
-    written = {}
-    runs00 = [traces.record(line_by_line(device), "line_by_line", device),
-              traces.record(steps_of_make_and_drop(device, False), "without_empty_cache", device),
-              traces.record(steps_of_make_and_drop(device, True), "with_empty_cache", device)]
-    written["00"] = traces.save(runs00, out / "00_allocated_vs_reserved.json.gz", device, command)
-
-    plan = ratchet_plan(device)
+def oom_runs(device, plan) -> list:
+    """Lesson 03's crash and ratchet and lesson 04's leak, each run into the out-of-memory error under
+    the plan's budgets, on `device`'s meter."""
     crash = traces.record(stepping(leaky_step(device), 4 * int(plan["steps_per_collection"])), "crash",
                           device, budget=plan["crash_budget"], note="section 3: no long-lived heap")
     ratchet = with_heap(150_000, lambda: traces.record(
         stepping(leaky_step(device), plan["ratchet_steps"]), "ratchet", device, budget=plan["budget"],
         note=f"beside 150,000 long-lived lists; budget = first stretch's peak + 4 pairs; plan {plan}"))
-    written["03"] = traces.save([crash, ratchet], out / "03_node_leak_oom.json.gz", device, command)
-
     leak = traces.record(stepping(lambda: wait_once(device), 2000), "awaitable", device, budget=24 * MiB,
                          note="256 KiB per call under a 24 MiB budget")
+    return [crash, ratchet, leak]
+
+
+def record_all(device, plan, out: Path, command: str) -> dict:
+    written = {}
+    runs00 = [traces.record(line_by_line(device), "line_by_line", device),
+              traces.record(steps_of_make_and_drop(device, False), "without_empty_cache", device),
+              traces.record(steps_of_make_and_drop(device, True), "with_empty_cache", device)]
+    written["00"] = traces.save(runs00, out / "00_allocated_vs_reserved.json.gz", device, command)
+    crash, ratchet, leak = oom_runs(device, plan)
+    written["03"] = traces.save([crash, ratchet], out / "03_node_leak_oom.json.gz", device, command)
     written["04"] = traces.save([leak], out / "04_awaitable_oom.json.gz", device, command)
     return written
 
 
 # -- facts: the budget on both meters, and the two detectors -------------------------------------
-def oom_steps(device, plan) -> dict:
-    """The out-of-memory step of each scenario under the same budget, on `device`'s meter."""
-    crash = traces.record(stepping(leaky_step(device), 4 * int(plan["steps_per_collection"])), "crash", device,
-                          budget=plan["crash_budget"])
-    ratchet = with_heap(150_000, lambda: traces.record(stepping(leaky_step(device), plan["ratchet_steps"]),
-                                                       "ratchet", device, budget=plan["budget"]))
-    leak = traces.record(stepping(lambda: wait_once(device), 2000), "awaitable", device, budget=24 * MiB)
+def oom_steps(runs) -> dict:
+    """The out-of-memory step of each run, with what was allocated and reserved just before it."""
     result = {}
-    for run in (crash, ratchet, leak):
+    for run in runs:
         at = run.oom_mark
         result[run.name] = {"oom_step": at, "budget": run.budget,
                             "allocated_at_oom": run.allocated[at - 1] if at else None,
@@ -274,17 +273,18 @@ def main(argv=None) -> int:
     device = default_device()
     command = "python autograder/record_traces.py " + " ".join(argv if argv is not None else sys.argv[1:])
     start = time.perf_counter()
-    written = record_all(device, args.out, command)
+    plan = ratchet_plan(device)
+    written = record_all(device, plan, args.out, command)
     for lesson, trace in written.items():
         for name, run in trace.runs.items():
             print(f"{lesson} {name}: {len(run.labels)} marks, OOM at mark {run.oom_mark}, "
                   f"{len(run.collections)} collections, events {run.event_counts}")
     print(f"recorded in {time.perf_counter() - start:.1f} s on {trace.provenance['gpu']}", flush=True)
     if args.facts:
-        plan = ratchet_plan(device)
-        facts = {"plan": plan, "reading_cost": reading_cost(device), "oom": {str(device): oom_steps(device, plan)}}
+        recorded = [run for lesson in ("03", "04") for run in written[lesson].runs.values()]
+        facts = {"plan": plan, "reading_cost": reading_cost(device), "oom": {str(device): oom_steps(recorded)}}
         if device.type == "cuda":
-            facts["oom"]["cpu"] = oom_steps(torch.device("cpu"), plan)
+            facts["oom"]["cpu"] = oom_steps(oom_runs(torch.device("cpu"), plan))
         facts["detectors"] = [detectors(device)]
         if device.type == "cuda":
             facts["detectors"].append(detectors(torch.device("cpu")))

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
