@@ -60,11 +60,23 @@ def _describe(obj) -> str:
     return f"a {type(obj).__name__}"
 
 
+_PLAIN_KEYS = (str, int, float, bool, bytes, type(None))
+
+
+def _key_text(key) -> str:
+    """A dict's key as a path shows it: its repr where it is a plain value; otherwise what it is (an
+    optimizer's state is keyed by parameters, whose repr prints every element, and a learner's key's
+    __repr__ is the learner's code)."""
+    if type(key) in _PLAIN_KEYS:
+        return repr(key)
+    return f"<{_describe_tensor(key) if type(key) in (torch.Tensor, torch.nn.Parameter) else 'a ' + type(key).__name__}>"
+
+
 def _children(obj, names: bool):
     """(text that follows obj in an expression, what it refers to) for what `obj` keeps alive
     that may lead to a tensor; a tensor's autograd graph is followed by _graph_tensors."""
     if isinstance(obj, dict):
-        return [(f"[{key!r}]", value) for key, value in list(obj.items())]
+        return [(f"[{_key_text(key)}]", value) for key, value in list(obj.items())]
     if isinstance(obj, (list, tuple, deque)):
         return [(f"[{i}]", value) for i, value in enumerate(list(obj))]
     if isinstance(obj, (set, frozenset)):

@@ -90,3 +90,22 @@ def test_storage_census_counts_what_a_storage_it_had_found_grew_by():
 
 def test_storage_census_finds_a_storage_kept_without_any_tensor():
     assert _bytes_made_by(lambda: torch.ones(1024).untyped_storage()) == 4096   # the tensor is gone, not its bytes
+
+
+def test_a_dict_keyed_by_tensors_or_objects_is_named_without_their_repr():
+    """An optimizer's state is keyed by its parameters: a path shows what a key is, not its elements
+    (a parameter's repr prints them all, and a learner's key's __repr__ is the learner's code)."""
+    from gclab.held import tensors_held
+
+    class Key:
+        def __repr__(self):
+            raise AssertionError("a key's repr was called")
+
+    weight = torch.nn.Parameter(torch.ones(300, 4))
+    optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    weight.grad = torch.ones(300, 4)
+    optimizer.step()
+    held = tensors_held({"state": optimizer.state, Key(): torch.zeros(2), 7: torch.zeros(1)}, name="kept")
+    assert "kept['state'][<a float32[300x4] tensor>]['momentum_buffer'], a float32[300x4] tensor (4.69 KiB of storage)" in held
+    assert "kept[<a Key>], a float32[2] tensor (8 B of storage)" in held
+    assert "kept[7], a float32[1] tensor (4 B of storage)" in held
