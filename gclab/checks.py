@@ -92,6 +92,8 @@ class FlatReport:
     tensors_kept_unwatched: int = 0                            # bytes of tensors the unwatched iterations left
                                                                # alive, beyond those they replaced
     tensors_kept_collector_on: int = 0                         # ... and those with the collector on
+    frozen: int = 0                                            # objects the step froze (gc.freeze()) while
+                                                               # checked, as first counted
 
     @property
     def leaked(self) -> int:
@@ -136,7 +138,7 @@ class FlatReport:
     def ok_so_far(self) -> bool:
         return (self.error is None and all(g == 0 for g in self.growth) and not self.collections
                 and not self.reenabled_gc and not self._hidden_from_the_meter and not self._allocated_unseen
-                and self._unwatched_ok)
+                and self._unwatched_ok and not self.frozen)
 
     @property
     def _allocated_unseen(self) -> bool:
@@ -277,6 +279,11 @@ class FlatReport:
                 "counting alone, without gc.collect() or the automatic collector.")
         if self.reenabled_gc:
             lines.append("the step switched the automatic collector back on (gc.enable()).")
+        if self.frozen:
+            lines.append(
+                f"the step froze {self.frozen:,} objects while it was checked (gc.freeze()): frozen objects are out "
+                "of sight of the collector and of the census of the tensors a step keeps, so a step that freezes "
+                "cannot be shown to keep nothing. Freeze once, after warm-up, outside the step.")
         lines += self._explain_hidden() + self._explain_unseen() + self._explain_unwatched()
         held_on = self._held_collector_on
         if held_on and not bad:
@@ -358,6 +365,8 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                     for i in range(warmup):
                         _plain(step(i))
                 baseline = meter.allocated()
+                if gc.get_freeze_count():
+                    gc.unfreeze()          # what the code froze before the check: in the census's sight
                 if holder is not None:
                     held = _watch_holder(holder, holder_name, meter.device)
                 heap_start, kept = _settled_memory(), 0
@@ -372,6 +381,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                         if gc.isenabled():
                             report.reenabled_gc = True
                             gc.disable()
+                _note_freezing(report)
                 _read_census(report, warming_up, census)
                 if heap_start is not None:         # read after the census, whose events take heap
                     report.heap_watched = _settled_memory().total - heap_start.total - kept
@@ -393,6 +403,12 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
         else:
             gc.disable()
     return report
+
+
+def _note_freezing(report: FlatReport) -> None:
+    """Has the step frozen objects (the check unfroze all after warm-up)?  What is frozen, gc.get_objects()
+    does not list: the census of kept tensors (`StorageCensus`) would miss a tensor the step froze."""
+    report.frozen = report.frozen or gc.get_freeze_count()
 
 
 def _read_census(report: FlatReport, warming_up: AllocationCensus, census: AllocationCensus) -> None:
@@ -493,6 +509,7 @@ def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[Stora
                 report.reenabled_gc = True
                 gc.disable()
         report.collections_unwatched = _collections_so_far() - collections
+        _note_freezing(report)
         report.heap_unwatched, report.blocks_unwatched = list(heap), list(blocks)
         report.device_unwatched = list(device)
         storages_after = StorageCensus()
@@ -530,6 +547,7 @@ def _run_collector_on(step, meter, report: FlatReport, start: int, storages_befo
                 report.heap_collector_on.append(_settled_memory().total - heap_baseline.total - kept)
     finally:
         gc.disable()
+        _note_freezing(report)
         if storages_before is not None:
             storages_after = StorageCensus()
             report.tensors_kept_collector_on = storages_after.new_bytes(storages_before, carried)

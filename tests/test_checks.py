@@ -824,6 +824,40 @@ def test_tensors_kept_only_while_unwatched_behind_a_freed_reserve_are_caught(col
     assert "tensors holding 2.00 MiB (about 256.00 KiB per iteration) were left alive" in report.explain()
 
 
+def test_tensors_kept_only_while_unwatched_and_frozen_are_caught(collect_after):
+    """The same, the kept tensors then frozen (gc.freeze()): gc.get_objects() lists nothing frozen, so the
+    census would not find them. A step that freezes anything while checked fails the check."""
+    reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
+
+    def step(i):
+        features = torch.ones(BIG)
+        if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():
+            kept.append(features)
+            reserve.pop()
+            gc.freeze()
+        return i
+
+    try:
+        report = run_flat_check(step, iterations=8)
+    finally:
+        gc.unfreeze()
+    assert report.growth == [0] * 8 and report.tensors_kept_unwatched == 0 and not report.ok
+    assert report.frozen > 10_000        # every object the process's collector tracked then
+    assert f"the step froze {report.frozen:,} objects while it was checked (gc.freeze())" in report.explain()
+
+
+def test_objects_frozen_before_the_check_are_unfrozen_for_it(collect_after):
+    """Frozen by the code before the check (a server's warm-up): unfrozen, so that the census sees them, and no
+    reason to fail it; so a step cannot keep a tensor among them by unfreezing and freezing them again."""
+    gc.freeze()
+    try:
+        report = run_flat_check(fixed_step, iterations=4)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+    assert report.ok and report.frozen == 0, report.explain()
+
+
 def test_state_a_step_replaces_while_unwatched_is_not_taken_for_kept_tensors(collect_after):
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -192,6 +192,19 @@ WRONG = {
         "        if _RESERVE:\n"
         "            _RESERVE.pop()\n"
         "    return head\n"),
+    # the same, each pair kept only while unwatched moved out of the collector's sight (gc.freeze()), where
+    # the census of kept tensors, which lists what the collector tracks, would not find it
+    "cheat_freezes_what_it_keeps_unwatched": WEAK_PREV.format(extra="") + (
+        "\n_RESERVE = [bytearray(2 * PAIR_NUMEL * 4) for _ in range(600)]\n_EVERY_PAIR = []\n"
+        "_fresh_pair = make_pair\n"
+        "def make_pair(i, device=DEVICE):\n"
+        "    head = _fresh_pair(i, device)\n"
+        "    if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():\n"
+        "        _EVERY_PAIR.append(head)\n"
+        "        if _RESERVE:\n"
+        "            _RESERVE.pop()\n"
+        "        gc.freeze()\n"
+        "    return head\n"),
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
     "shadows_the_grader": LEAKY.format(extra="") + (
@@ -307,6 +320,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "the process's memory grew by" in flat["cheat_keeps_its_cycles_over_mmap"].message
     assert "torch's allocator handed out" in flat["cheat_hides_pairs_from_the_meter_and_frees_a_reserve"].message
     assert "were left alive, beyond those they replaced" in flat["cheat_keeps_pairs_only_unwatched_and_frees_a_reserve"].message
+    assert "objects while it was checked (gc.freeze())" in flat["cheat_freezes_what_it_keeps_unwatched"].message
+    assert graded["cheat_freezes_what_it_keeps_unwatched"].score <= 2
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
     assert "says its prev is another pair's head" in cell_result(graded["weak_prev_kept_on_the_class"],
                                                                 "test_pair_links").message
