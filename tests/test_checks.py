@@ -806,9 +806,9 @@ def test_a_check_started_under_a_running_profiler_says_it_cannot_count(collect_a
     assert "torch's profiler was already running" in report.explain()
 
 
-def test_tensors_kept_only_while_unwatched_behind_a_freed_reserve_are_caught(collect_after):
-    """No meter and no profiler to see it, and the process's memory level: memory reserved
-    beforehand is given back as much as is kept. The tensors are still there to be found."""
+def _kept_unwatched_behind_a_freed_reserve(then=lambda: None):
+    """A step that keeps its tensor while no meter and no profiler watch, each time giving back as much
+    memory reserved beforehand (the process's memory stays level), then does `then()`."""
     reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
 
     def step(i):
@@ -816,9 +816,15 @@ def test_tensors_kept_only_while_unwatched_behind_a_freed_reserve_are_caught(col
         if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():
             kept.append(features)
             reserve.pop()
+            then()
         return i
+    return step
 
-    report = run_flat_check(step, iterations=8)
+
+def test_tensors_kept_only_while_unwatched_behind_a_freed_reserve_are_caught(collect_after):
+    """No meter and no profiler to see it, and the process's memory level. The tensors are still there
+    to be found."""
+    report = run_flat_check(_kept_unwatched_behind_a_freed_reserve(), iterations=8)
     assert report.growth == [0] * 8 and report.allocated_watched == [0] * 8 and not report.ok
     assert report.tensors_kept_unwatched == report.unwatched * BIG * 4
     assert "tensors holding 2.00 MiB (about 256.00 KiB per iteration) were left alive" in report.explain()
@@ -827,18 +833,8 @@ def test_tensors_kept_only_while_unwatched_behind_a_freed_reserve_are_caught(col
 def test_tensors_kept_only_while_unwatched_and_frozen_are_caught(collect_after):
     """The same, the kept tensors then frozen (gc.freeze()): gc.get_objects() lists nothing frozen, so the
     census would not find them. A step that freezes anything while checked fails the check."""
-    reserve, kept = [bytearray(BIG * 4) for _ in range(40)], []
-
-    def step(i):
-        features = torch.ones(BIG)
-        if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():
-            kept.append(features)
-            reserve.pop()
-            gc.freeze()
-        return i
-
     try:
-        report = run_flat_check(step, iterations=8)
+        report = run_flat_check(_kept_unwatched_behind_a_freed_reserve(then=gc.freeze), iterations=8)
     finally:
         gc.unfreeze()
     assert report.growth == [0] * 8 and report.tensors_kept_unwatched == 0 and not report.ok
