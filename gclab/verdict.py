@@ -22,6 +22,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 import types
 from json.encoder import encode_basestring_ascii as _quoted     # in C
 
@@ -93,6 +94,8 @@ def _quiet_and_local(workdir: str) -> None:
     os.makedirs(tmp, exist_ok=True)
     os.environ.update(HOME=workdir, TMPDIR=tmp, MPLCONFIGDIR=tmp, MPLBACKEND="Agg", PYTHONWARNINGS="ignore",
                       XDG_CACHE_HOME=os.path.join(tmp, "cache"))
+    # and tempfile's own choice, which it makes once: the zygote's import of torch._dynamo made it (/tmp)
+    tempfile.tempdir = tmp
     # where torch writes on its own, wherever the grader's environment pointed them: creating an optimizer
     # imports torch._dynamo, which creates its cache folder (a write the guard refuses outside the folder)
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):

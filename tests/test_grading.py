@@ -144,6 +144,11 @@ def hostile(course, tmp_path_factory):
     answers = {
         "right": "def double(x):\n    return 2 * x",
         "imports_the_tools_again": "import gc\nfrom gclab import checks\ndef double(x):\n    return 2 * x",
+        # the learner's own self-check in the answer cell: the check's readings (a temporary file for the C
+        # library's report) are the grader's, in the grading folder, with the learner's code on the stack
+        "runs_a_flat_check_in_its_answer": "import torch\nfrom gclab import checks\ndef double(x):\n    return 2 * x\n"
+                                           "print(checks.run_flat_check(lambda i: double(torch.ones(4)).sum().item(), "
+                                           "iterations=4).explain())",
         "untouched": "raise NotImplementedError()",
         # debugging left in: who calls double, printed with traceback and logging
         "prints_its_stack": "import logging, traceback\ndef double(x):\n    traceback.print_stack()\n"
@@ -357,6 +362,11 @@ def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
 
 def test_importing_the_set_up_cells_tools_again_is_not_tampering(hostile):
     result = hostile["results"]["imports_the_tools_again"]
+    assert result.score == 2, grading.format_results([result])
+
+
+def test_a_flat_check_run_by_the_answer_itself_is_not_tampering(hostile):
+    result = hostile["results"]["runs_a_flat_check_in_its_answer"]
     assert result.score == 2, grading.format_results([result])
 
 
