@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .gcwatch import Collection, GCWatch
-from .held import HeldBytes, HeldReport, StorageCensus, graphs_held
+from .held import HeldBytes, HeldReport, StorageCensus, Unfrozen, graphs_held
 from .memory import AllocationCensus, Meter, ProcessMemory, cuda_bytes, format_bytes, process_memory
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
@@ -92,8 +92,7 @@ class FlatReport:
     tensors_kept_unwatched: int = 0                            # bytes of tensors the unwatched iterations left
                                                                # alive, beyond those they replaced
     tensors_kept_collector_on: int = 0                         # ... and those with the collector on
-    frozen: int = 0                                            # objects the step froze (gc.freeze()) while
-                                                               # checked, as first counted
+    frozen: bool = False                                       # the step froze objects (gc.freeze())
 
     @property
     def leaked(self) -> int:
@@ -281,9 +280,9 @@ class FlatReport:
             lines.append("the step switched the automatic collector back on (gc.enable()).")
         if self.frozen:
             lines.append(
-                f"the step froze {self.frozen:,} objects while it was checked (gc.freeze()): frozen objects are out "
-                "of sight of the collector and of the census of the tensors a step keeps, so a step that freezes "
-                "cannot be shown to keep nothing. Freeze once, after warm-up, outside the step.")
+                "the step froze objects while it was checked (gc.freeze()): frozen objects are out of sight of the "
+                "collector and of the census of the tensors a step keeps, so a step that freezes cannot be shown "
+                "to keep nothing. Freeze once, after warm-up, outside the step.")
         lines += self._explain_hidden() + self._explain_unseen() + self._explain_unwatched()
         held_on = self._held_collector_on
         if held_on and not bad:
@@ -365,8 +364,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                     for i in range(warmup):
                         _plain(step(i))
                 baseline = meter.allocated()
-                if gc.get_freeze_count():
-                    gc.unfreeze()          # what the code froze before the check: in the census's sight
+                marker = Unfrozen()
                 if holder is not None:
                     held = _watch_holder(holder, holder_name, meter.device)
                 heap_start, kept = _settled_memory(), 0
@@ -381,14 +379,14 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                         if gc.isenabled():
                             report.reenabled_gc = True
                             gc.disable()
-                _note_freezing(report)
                 _read_census(report, warming_up, census)
                 if heap_start is not None:         # read after the census, whose events take heap
                     report.heap_watched = _settled_memory().total - heap_start.total - kept
                 report.collections = list(watch.collections)
                 if report.ok_so_far:
                     with meter.paused() if unwatched else contextlib.nullcontext():
-                        _run_unwatched_parts(step, meter, report, start=warmup + iterations, carried=census.alive)
+                        _run_unwatched_parts(step, meter, report, start=warmup + iterations, carried=census.alive,
+                                             marker=marker)
             except Exception as exc:          # reported, not raised: the report says what happened
                 report.error = exc.with_traceback(None)   # its frames would hold the step's tensors
             if held is not None:
@@ -405,10 +403,12 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     return report
 
 
-def _note_freezing(report: FlatReport) -> None:
-    """Has the step frozen objects (the check unfroze all after warm-up)?  What is frozen, gc.get_objects()
-    does not list: the census of kept tensors (`StorageCensus`) would miss a tensor the step froze."""
-    report.frozen = report.frozen or gc.get_freeze_count()
+def _census(report: FlatReport, marker: Unfrozen) -> StorageCensus:
+    """The tensor storages alive now; and whether the step has frozen objects since the check began
+    (`Unfrozen`), which the census cannot list."""
+    census = StorageCensus(marker)
+    report.frozen = report.frozen or census.frozen
+    return census
 
 
 def _read_census(report: FlatReport, warming_up: AllocationCensus, census: AllocationCensus) -> None:
@@ -474,18 +474,18 @@ def _collections_so_far() -> int:
     return sum(generation["collections"] for generation in gc.get_stats())
 
 
-def _run_unwatched_parts(step, meter, report: FlatReport, start: int, carried) -> None:
+def _run_unwatched_parts(step, meter, report: FlatReport, start: int, carried, marker: Unfrozen) -> None:
     """The unwatched iterations, collector off then on; `carried`: what the step made while watched."""
-    storages, made = _run_unwatched(step, report, start, carried)
+    storages, made = _run_unwatched(step, report, start, carried, marker)
     try:
         if report.ok_so_far:
-            _run_collector_on(step, meter, report, start + report.unwatched, storages, set(carried) | made)
+            _run_collector_on(step, meter, report, start + report.unwatched, storages, set(carried) | made, marker)
     finally:
         if storages is not None:
             storages.close()
 
 
-def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[StorageCensus | None, set]:
+def _run_unwatched(step, report: FlatReport, start: int, carried, marker: Unfrozen) -> tuple[StorageCensus | None, set]:
     """The unwatched, collector-off part of `run_flat_check`: the process's heap and the device's
     count above their values before it, after each iteration, and the collections that ran;
     then the tensor storages it left alive that it did not find (`StorageCensus`), less those
@@ -494,7 +494,7 @@ def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[Stora
     the next part to replace."""
     if not report.unwatched:
         return None, set()
-    storages_before = StorageCensus()
+    storages_before = _census(report, marker)
     try:
         # readings go into arrays made beforehand, and results are not kept, so that the check
         # itself allocates nothing between readings: all they show is the step's
@@ -509,10 +509,9 @@ def _run_unwatched(step, report: FlatReport, start: int, carried) -> tuple[Stora
                 report.reenabled_gc = True
                 gc.disable()
         report.collections_unwatched = _collections_so_far() - collections
-        _note_freezing(report)
         report.heap_unwatched, report.blocks_unwatched = list(heap), list(blocks)
         report.device_unwatched = list(device)
-        storages_after = StorageCensus()
+        storages_after = _census(report, marker)
         report.tensors_kept_unwatched = storages_after.new_bytes(storages_before, carried)
         return storages_after, storages_after.new_places(storages_before)
     finally:
@@ -524,7 +523,7 @@ def _device_bytes(device) -> int:
 
 
 def _run_collector_on(step, meter, report: FlatReport, start: int, storages_before: StorageCensus | None = None,
-                      carried=frozenset()) -> None:
+                      carried=frozenset(), marker: Unfrozen | None = None) -> None:
     """The collector-on part of `run_flat_check`: growth after each iteration, collections allowed.
 
     After an unwatched part it runs unwatched too (the meter paused) and is judged by the
@@ -547,9 +546,8 @@ def _run_collector_on(step, meter, report: FlatReport, start: int, storages_befo
                 report.heap_collector_on.append(_settled_memory().total - heap_baseline.total - kept)
     finally:
         gc.disable()
-        _note_freezing(report)
         if storages_before is not None:
-            storages_after = StorageCensus()
+            storages_after = _census(report, marker)
             report.tensors_kept_collector_on = storages_after.new_bytes(storages_before, carried)
             storages_after.close()
 

@@ -28,7 +28,7 @@ from .cycles import instance_attributes
 from .guard import WATCH_EVENT
 from .memory import device_storage, format_bytes, storage_entry
 
-__all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "graphs_held", "tensors_held"]
+__all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen", "graphs_held", "tensors_held"]
 
 # torch's C-level weak references to a storage: they keep no Python object alive
 _expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
@@ -143,12 +143,19 @@ class StorageCensus:
     `new_bytes(earlier, carried)`: the bytes of storages alive now that `earlier` did not hold,
     and what those it held grew by (`resize_`), less those `earlier` held that are gone now and
     were in `carried` (a set of (device, address) of memory the code itself made before, which it
-    may replace)."""
+    may replace).
 
-    def __init__(self, _audit=sys.audit, _event=WATCH_EVENT):
+    `marker`: an `Unfrozen` made before; `frozen` says whether it was out of sight (frozen since), and with
+    it whatever the census should have found."""
+
+    def __init__(self, marker: Unfrozen | None = None, _audit=sys.audit, _event=WATCH_EVENT):
         _audit(_event)
         self._storages: dict[int, tuple[int, int, tuple[str, int]]] = {}    # key -> (weak ref, bytes, where)
+        self.frozen = marker is not None
         for obj in _storage_holders():
+            if type(obj) is Unfrozen:
+                self.frozen = self.frozen and obj is not marker
+                continue
             found = storage_entry(obj) if isinstance(obj, torch._C.StorageBase) else device_storage(obj)
             if found is None or found[0] in self._storages:
                 continue
@@ -181,7 +188,15 @@ class _TensorTypes(dict):
         return holds_storage
 
 
+class Unfrozen:
+    """A marker a check makes at its start and hands each `StorageCensus` it takes.  The collector tracks
+    it, and `gc.freeze()` moves it, with every other object, where gc.get_objects() lists nothing: a census
+    that no longer finds it knows that the code froze objects since, which it would not find either."""
+    __slots__ = ()
+
+
 _TENSOR_TYPES = _TensorTypes()
+_TENSOR_TYPES[Unfrozen] = True              # found with the tensors, in C
 
 
 def _tensor_holders():
@@ -194,7 +209,7 @@ def _tensor_holders():
 def _storage_holders():
     for obj in _tensor_holders():
         yield obj
-        if isinstance(obj, torch._C.StorageBase):        # a storage kept without any tensor
+        if type(obj) is Unfrozen or isinstance(obj, torch._C.StorageBase):   # a storage kept without any tensor
             continue
         try:
             if obj.is_leaf:
