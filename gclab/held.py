@@ -209,8 +209,8 @@ def _tensor_holders():
 def _storage_holders():
     for obj in _tensor_holders():
         yield obj
-        if type(obj) is Unfrozen or isinstance(obj, torch._C.StorageBase):   # a storage kept without any tensor
-            continue
+        if type(obj) is Unfrozen or isinstance(obj, torch._C.StorageBase):   # a check's marker; a storage kept
+            continue                                                          # without any tensor
         try:
             if obj.is_leaf:
                 if obj.grad is not None:
