@@ -94,9 +94,9 @@ def leaked_lines(folder: Path, source: Path, release: Path) -> list[tuple[str, s
     """(file, line) for each line of the lesson's hidden tests found in a file under `folder`."""
     lines = hidden_lines(source, release)
     assert lines, "the lesson has no hidden test line to look for"
-    return [(str(path.relative_to(folder)), line) for path in sorted(folder.rglob("*"))
-            if path.is_file() and path.suffix in (".ipynb", ".html", ".md", ".csv")
-            for line in lines if line in handed_back_text(path)]
+    texts = {path: handed_back_text(path) for path in sorted(folder.rglob("*"))
+             if path.is_file() and path.suffix in (".ipynb", ".html", ".md", ".csv")}
+    return [(str(path.relative_to(folder)), line) for path, text in texts.items() for line in lines if line in text]
 
 
 def run_notebook(path: Path, folder: Path) -> Path:
