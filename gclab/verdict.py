@@ -97,8 +97,8 @@ def _quiet_and_local(workdir: str) -> None:
                       XDG_CACHE_HOME=os.path.join(tmp, "cache"))
     # and tempfile's own choice, which it makes once: the zygote's import of torch._dynamo made it (/tmp)
     tempfile.tempdir = tmp
-    # where torch writes on its own, wherever the grader's environment pointed them: creating an optimizer
-    # imports torch._dynamo, which creates its cache folder (a write the guard refuses outside the folder)
+    # where torch writes on its own, wherever the grader's environment pointed them: torch._dynamo and
+    # inductor write their caches there (a write the guard refuses outside the folder)
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         os.environ[name] = os.path.join(tmp, name.lower())
     null = os.open(os.devnull, os.O_RDWR)

@@ -128,6 +128,21 @@ def make_pair(i, device=DEVICE):
     return head
 '''
 
+def _keeps_pairs_unwatched(kept: str, then: str = "") -> str:
+    """A right fix that keeps `kept` of every pair made while nothing watches (no meter's dispatch mode, no
+    profiler), giving back for each memory reserved beforehand so the process's heap stays level; then `then`."""
+    return WEAK_PREV.format(extra="") + (
+        "\n_RESERVE = [bytearray(2 * PAIR_NUMEL * 4) for _ in range(600)]\n_EVERY_PAIR = []\n"
+        "_fresh_pair = make_pair\n"
+        "def make_pair(i, device=DEVICE):\n"
+        "    head = _fresh_pair(i, device)\n"
+        "    if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():\n"
+        f"        _EVERY_PAIR.append({kept})\n"
+        "        if _RESERVE:\n"
+        "            _RESERVE.pop()\n"
+        + then + "    return head\n")
+
+
 # Right fixes written differently from the solution: each must earn full marks.
 ALTERNATIVES = {"slots_and_weakref": SLOTS, "weak_side_table": SIDE_TABLE}
 
@@ -182,29 +197,11 @@ WRONG = {
         "        _RESERVE.pop()\n"
         "    return head\n"),
     # the same, but only while nothing watches (no meter's dispatch mode, no profiler)
-    "cheat_keeps_pairs_only_unwatched_and_frees_a_reserve": WEAK_PREV.format(extra="") + (
-        "\n_RESERVE = [bytearray(2 * PAIR_NUMEL * 4) for _ in range(600)]\n_EVERY_PAIR = []\n"
-        "_fresh_pair = make_pair\n"
-        "def make_pair(i, device=DEVICE):\n"
-        "    head = _fresh_pair(i, device)\n"
-        "    if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():\n"
-        "        _EVERY_PAIR.append(torch.cat([head.tensor, head.next.tensor]))\n"
-        "        if _RESERVE:\n"
-        "            _RESERVE.pop()\n"
-        "    return head\n"),
+    "cheat_keeps_pairs_only_unwatched_and_frees_a_reserve": _keeps_pairs_unwatched(
+        "torch.cat([head.tensor, head.next.tensor])"),
     # the same, each pair kept only while unwatched moved out of the collector's sight (gc.freeze()), where
     # the census of kept tensors, which lists what the collector tracks, would not find it
-    "cheat_freezes_what_it_keeps_unwatched": WEAK_PREV.format(extra="") + (
-        "\n_RESERVE = [bytearray(2 * PAIR_NUMEL * 4) for _ in range(600)]\n_EVERY_PAIR = []\n"
-        "_fresh_pair = make_pair\n"
-        "def make_pair(i, device=DEVICE):\n"
-        "    head = _fresh_pair(i, device)\n"
-        "    if not torch._C._len_torch_dispatch_stack() and not torch._C._autograd._profiler_enabled():\n"
-        "        _EVERY_PAIR.append(head)\n"
-        "        if _RESERVE:\n"
-        "            _RESERVE.pop()\n"
-        "        gc.freeze()\n"
-        "    return head\n"),
+    "cheat_freezes_what_it_keeps_unwatched": _keeps_pairs_unwatched("head", then="        gc.freeze()\n"),
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
     "shadows_the_grader": LEAKY.format(extra="") + (
