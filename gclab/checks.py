@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .gcwatch import Collection, GCWatch
-from .held import HeldBytes, HeldReport, StorageCensus, Unfrozen, graphs_held
+from .held import GraphCensus, HeldBytes, HeldReport, StorageCensus, Unfrozen, graphs_held
 from .memory import AllocationCensus, Meter, ProcessMemory, cuda_bytes, format_bytes, process_memory
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
@@ -570,15 +570,38 @@ def assert_graphs_do_not_grow(step, holder, holder_name: str, iterations: int = 
                 raise AssertionError(f"the step raised {type(error).__name__}: {error} (step {i})") from None
 
     run(range(start, start + warmup))
-    before = graphs_held(holder, holder_name)
+    gc.collect()                   # graphs in garbage are not kept: only those still reachable count
+    before, process_before = graphs_held(holder, holder_name), GraphCensus()
     run(range(start + warmup, start + warmup + iterations))
-    after = graphs_held(holder, holder_name)
+    gc.collect()
+    after, process_after = graphs_held(holder, holder_name), GraphCensus()
     grown = [(path, before[path], size) for path, size in after.items() if size > before.get(path, size)]
     assert not grown, "; ".join(
         f"{path} carries an autograd graph that grew from {was:,} to {now:,} nodes in {iterations} steps: each "
         "step links its graph to it (a running total such as `total += loss` does), and backward() frees only "
         "the tensors a graph saved, so its nodes pile up on the heap, where the memory check cannot see them. "
         "Keep a number (loss.item()) or a tensor without a graph (loss.detach())" for path, was, now in grown[:2])
+    # graphs the holder keeps that it did not keep before are new tensors it holds, which the memory check
+    # names; the graphs alive anywhere else must not grow either
+    holds_new = set(after) - set(before)
+    assert holds_new or process_after.nodes <= process_before.nodes, _graphs_grown_elsewhere(
+        process_before, process_after, holder_name, iterations)
+
+
+def _graphs_grown_elsewhere(before: GraphCensus, after: GraphCensus, holder_name: str, iterations: int) -> str:
+    gained, tensor = after.most_grown(before)
+    where = ""
+    if tensor is not None:
+        from .refs import reference_paths
+        paths = reference_paths(tensor, max_paths=1)
+        where = f" The graph that grew most ({gained:,} nodes more) is kept by {paths[0]}." if paths else ""
+    del tensor
+    return (f"the autograd graphs alive in the process grew from {before.nodes:,} to {after.nodes:,} nodes in "
+            f"{iterations} steps, though nothing {holder_name} holds grew: something else keeps each step's graph "
+            "(a running total such as `TOTAL = TOTAL + loss` in a global or on a class, a log record or a list that "
+            f"holds a tensor with its graph).{where} "
+            "backward() frees only the tensors a graph saved, so its nodes pile up on the heap, where the memory "
+            "check cannot see them. Keep a number (loss.item()) or a tensor without a graph (loss.detach())")
 
 
 def _held_report(held: HeldBytes, growth: int, iterations: int) -> "HeldReport | None":

@@ -164,7 +164,7 @@ def release(root: Path, source: str | None = None) -> list[Path]:
 
 
 # -- a submission's tampering with the grader ---------------------------------------
-_GUARDED = {"gc", "gclab", "torch", "sys", "builtins", "time", "weakref", "nbgrader", "importlib"}
+_GUARDED = {"gc", "gclab", "torch", "numpy", "sys", "builtins", "time", "weakref", "nbgrader", "importlib"}
 _SETTINGS = ("torch.backends.", "sys.last_")   # what ordinary code sets or clears; not the grader's tools
 _MUTATORS = {"append", "clear", "remove", "pop", "extend", "insert", "__setitem__", "__delitem__"}
 
@@ -390,6 +390,9 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
     answers = _answers_of(submitted_nb)
     locked = [c.source for c in source_nb.cells if _meta(c).get("locked") and not _meta(c).get("grade")]
     answer_names = set().union(*(top_level_names(c.source) for c in source_nb.cells if _meta(c).get("solution")))
+    graded = set().union(answer_names, *(top_level_names(source) for source in locked))
+    demo_names = set().union(*(top_level_names(c.source) for c in source_nb.cells
+                               if c.cell_type == "code" and not _meta(c))) - graded
     cells, tests, missing = [], [], []
     for cell in source_nb.cells:
         meta = _meta(cell)
@@ -406,7 +409,8 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
     return {"token": secrets.token_hex(16), "workdir": str(workdir), "cells": cells, "tests": tests,
             "missing_answers": missing, "hidden": [str(h) for h in hidden],
             "copied_answers": {grade_id: len(copies) for grade_id, copies in answers.items() if len(copies) > 1},
-            "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names)}
+            "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names),
+            "demo_names": sorted(demo_names)}
 
 
 class _Started:
@@ -575,7 +579,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
                 deadline, interrupted = time.monotonic() + cell_timeout, False
             elif event == "result" and message.get("test") in points:
                 status = message["status"]
-                text = _with_answer_errors(message)
+                text = _with_demo_names(_with_answer_errors(message), job.get("demo_names", ()))
                 if status == "timeout":
                     text = f"the test ran past the time limit ({cell_timeout:g} s) and was interrupted"
                 result(message["test"], status, text, str(message.get("output", "")))
@@ -599,6 +603,19 @@ def _report_stop(result, job, running, timed_out, cell_timeout):
     where = f"your answer cell {running[1]}" if running else "starting the grader"
     for test in job["tests"]:
         result(test["id"], "timeout" if timed_out else "error", f"not graded: {where} {how}")
+
+
+_UNDEFINED = re.compile(r"name '(\w+)' is not defined")
+
+
+def _with_demo_names(text: str, demo_names) -> str:
+    """`text`, and where it says a name is not defined that one of the lesson's example cells defines, why."""
+    missing = [name for name in dict.fromkeys(_UNDEFINED.findall(text)) if name in demo_names]
+    if not missing:
+        return text
+    names = ", ".join(f"'{name}'" for name in missing)
+    return (f"{text} ({names} is defined in one of the lesson's example cells, which grading does not run: only the "
+            "set-up and given cells, your answers and the tests run. Define what your answer uses in your answer cell.)")
 
 
 def _with_answer_errors(message: dict) -> str:

@@ -63,7 +63,12 @@ GUARDED_MODULES = ("gc", "time", "weakref", "math", "builtins", "sys", "os", "po
     # the libraries whose Python classes gclab's tools and the verdict run (a context manager's
     # __exit__ that returned True would swallow a check's AssertionError): their classes' members too
     LIBRARY_CLASSES := ("contextlib", "collections", "threading", "warnings", "traceback", "linecache", "inspect",
-                        "copy", "dataclasses", "functools", "json", "json.encoder", "io", "torch.utils._python_dispatch"))
+                        "copy", "dataclasses", "functools", "json", "json.encoder", "io", "torch.utils._python_dispatch",
+                        # the meter reads a storage's size through torch.UntypedStorage and runs every op as an OpOverload
+                        "torch.storage", "torch._ops"))
+# Packages whose every loaded submodule is guarded like LIBRARY_CLASSES: the grader's statistics run through
+# their internals (np.percentile, a P99 budget, calls numpy.lib._function_base_impl's functions by name).
+LIBRARY_PACKAGES = ("numpy",)
 # frozen: the hook reads them at every event, and a learner could reach a mutable set
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 _FRAME_HOLDERS = (types.TracebackType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
@@ -227,6 +232,10 @@ def install(workdir=None, processes: bool = False, files: bool = True, hidden=()
     _install_gates(originals)          # after the hook, which calls the originals (imports use _imp's)
     guard._take_stock()                # the manifest and the modules' globals, gates included
     return guard
+
+
+def _in_library_package(name: str) -> bool:
+    return name.partition(".")[0] in LIBRARY_PACKAGES and "." in name
 
 
 def pin_gclab() -> int:
@@ -464,7 +473,8 @@ class Guard:
     # -- what the grader's tools are -------------------------------------------------------
     @staticmethod
     def _guarded_modules() -> dict:
-        names = list(GUARDED_MODULES) + sorted(n for n in sys.modules if n == "gclab" or n.startswith("gclab."))
+        names = list(GUARDED_MODULES) + sorted(n for n in sys.modules if n == "gclab" or n.startswith("gclab.")
+                                               or _in_library_package(n))
         return {n: sys.modules[n] for n in names if isinstance(sys.modules.get(n), types.ModuleType)}
 
     def _take_manifest(self) -> list:
@@ -478,15 +488,20 @@ class Guard:
             for attr, value in list(namespace.items()):
                 if name == "sys" and attr not in ("modules", "audit", "addaudithook", "_getframe", "exit"):
                     continue            # sys holds streams and settings ordinary code changes
-                if (name == "os" and attr != "environ" or name in LIBRARY_CLASSES) and not callable(value):
+                library = name in LIBRARY_CLASSES or _in_library_package(name)
+                if (name == "os" and attr != "environ" or library) and not callable(value):
                     continue            # settings and state its own code rebinds (warnings.filters)
                 entries.append((f"{name}.{attr}", (namespace, attr), value))
-                if (name.startswith("gclab") or name in LIBRARY_CLASSES) and getattr(value, "__module__", None) == name:
+                if (name.startswith("gclab") or library) and getattr(value, "__module__", None) == name:
                     entries += self._definition(f"{name}.{attr}", value)
         torch = self._modules.get("torch")
         if torch is not None:
-            members = vars(torch.Tensor)
-            entries += [(f"torch.Tensor.{a}", (members, a), v) for a, v in list(members.items())]
+            # the classes the meter reads tensors through: a name they inherit from torch's C base (which
+            # cannot be changed) can still be shadowed on them (torch.UntypedStorage.nbytes = ...)
+            for cls in (torch.Tensor, torch.UntypedStorage):
+                members = vars(cls)
+                entries += [(f"torch.{cls.__name__}.{a}", (members, a), members.get(a, _MISSING))
+                            for a in sorted(set(dir(cls)) | set(members))]
         return entries
 
     def _definition(self, qualname, value) -> list:

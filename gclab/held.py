@@ -28,14 +28,17 @@ from .cycles import instance_attributes
 from .guard import WATCH_EVENT
 from .memory import device_storage, format_bytes, storage_entry
 
-__all__ = ["HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen", "graphs_held", "tensors_held"]
+__all__ = ["GraphCensus", "HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen", "graphs_held",
+           "tensors_held"]
 
 # torch's C-level weak references to a storage: they keep no Python object alive
 _expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
 
 _SKIPPED = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType,
-            weakref.ref, weakref.ProxyType, weakref.CallableProxyType, property, staticmethod,
-            classmethod, str, bytes, int, float, complex, bool, type(None), range)
+            weakref.ref, weakref.ProxyType, weakref.CallableProxyType, str, bytes, int, float, complex, bool,
+            type(None), range)
+# Wrappers that keep what they wrap in no __dict__: followed by name
+_WRAPPED_FIELDS = {staticmethod: ("__func__",), classmethod: ("__func__",), property: ("fget", "fset", "fdel")}
 _FRAME_NAMES = sys.version_info >= (3, 13)     # f_locals is a live view; before, reading it stores a copy
 # Each function below that walks the process's objects (which may lead to frames: a kept exception's
 # traceback) first raises WATCH_EVENT, through defaults bound at definition (a tuple the learner's code
@@ -104,11 +107,18 @@ def _children(obj, names: bool):
         return found + [(".__defaults__", obj.__defaults__), (".__kwdefaults__", obj.__kwdefaults__)]
     if isinstance(obj, _SKIPPED):
         return []
+    fields = _WRAPPED_FIELDS.get(type(obj))
+    if fields:
+        return [(f".{field}", getattr(obj, field)) for field in fields]
     found = []
     if isinstance(obj, torch.Tensor):
         found.append((".grad", obj.grad))
-    found += [(f".{k}", v) for k, v in instance_attributes(obj).items() if k not in ("__dict__", "__weakref__")]
-    return found
+    attributes = instance_attributes(obj)
+    found += [(f".{k}", v) for k, v in attributes.items() if k not in ("__dict__", "__weakref__")]
+    # and whatever else it keeps where no attribute shows it (a functools.partial's arguments, a
+    # generator's frame, an object of a C type): the references the collector itself follows
+    own_dict = id(vars(obj)) if attributes and getattr(type(obj), "__dictoffset__", 0) else None
+    return found + [(" (a referent)", v) for v in gc.get_referents(obj) if id(v) != own_dict]
 
 
 def _graph_tensors(tensor):
@@ -312,15 +322,57 @@ def graphs_held(obj, name: str = "it", max_objects: int = 50_000, _audit=sys.aud
 
 
 def _graph_size(tensor, limit: int = 1_000_000) -> int:
-    seen, todo, walked = set(), [tensor.grad_fn], []
+    return len(_graph_nodes(tensor.grad_fn, limit))
+
+
+def _graph_nodes(grad_fn, limit: int = 1_000_000) -> dict:
+    """id -> node for every node of the autograd graph from `grad_fn` (kept alive while ids are compared)."""
+    seen, todo = {}, [grad_fn]
     while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
-        walked.append(node)                               # alive while ids are compared
+        seen[id(node)] = node
         todo.extend(next_node for next_node, _ in node.next_functions)
-    return len(seen)
+    return seen
+
+
+class GraphCensus:
+    """The autograd graphs alive in the process now: `nodes`, how many nodes every tensor the collector
+    tracks reaches through its grad_fn (each counted once).  A graph that something links each step to (a
+    running total kept in a global, on a class, anywhere) grows here, though no walk from a holder reaches
+    it, and says where: the tensor whose graph grew most since a census taken earlier (`most_grown`)."""
+
+    def __init__(self, _audit=sys.audit, _event=WATCH_EVENT):
+        _audit(_event)
+        every, self._graphs = {}, {}              # id of a tensor -> (its graph's size, a weak reference)
+        for tensor in _tensor_holders():
+            if type(tensor) is Unfrozen or isinstance(tensor, torch._C.StorageBase):
+                continue
+            try:
+                grad_fn = tensor.grad_fn
+            except Exception:                   # a subclass that refuses
+                continue
+            if grad_fn is None:
+                continue
+            nodes = _graph_nodes(grad_fn)
+            every.update(nodes)
+            self._graphs[id(tensor)] = (len(nodes), weakref.ref(tensor))
+        self.nodes = len(every)
+
+    def most_grown(self, earlier: "GraphCensus"):
+        """(nodes it gained, tensor) for the tensor whose graph grew most since `earlier` (a tensor `earlier`
+        did not list gained its whole graph; one changed in place, `total += loss`, what it added), or (0, None)."""
+        best = (0, None)
+        for key, (size, ref) in self._graphs.items():
+            tensor = ref()
+            if tensor is None:
+                continue
+            was = earlier._graphs.get(key)
+            gained = size - was[0] if was is not None and was[1]() is tensor else size
+            if gained > best[0]:
+                best = (gained, tensor)
+        return best
 
 
 def _credit(found, device, tensor, path, group, entry, entry_obj, frame, via_graph=None):

@@ -23,13 +23,14 @@ import sys
 import traceback
 import types
 import warnings
+import weakref
 from collections import deque
 
 from .guard import WATCH_EVENT
 # The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
 # definition (see gclab.held).
 
-__all__ = ["reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
+__all__ = ["Lifetimes", "reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
 
 _MAIN = "__main__"
 _SHELL = "get_ipython()"
@@ -326,3 +327,34 @@ def forget_last_error() -> list[str]:
 def _ipython():
     ipython = sys.modules.get("IPython")
     return ipython.get_ipython() if ipython is not None else None
+
+
+class Lifetimes:
+    """How many of some objects are still alive, keeping none of them:
+
+        lives = Lifetimes(nodes)      # a weak reference to each
+        del nodes, root
+        lives.alive()                 # 0 once reference counting freed them all
+
+    Memory coming back says only that their tensors went; this says the objects themselves did (a
+    `__del__` that empties the nodes of a cycle frees their tensors and leaves the cycle).  An object
+    that takes no weak reference is looked for, by identity, among the objects the collector tracks;
+    ask before new objects are made, which could take a dead one's address."""
+
+    def __init__(self, objects):
+        self._weak, self._ids = [], {}
+        for obj in objects:
+            try:
+                self._weak.append(weakref.ref(obj))
+            except TypeError:
+                self._ids[id(obj)] = type(obj)
+        self.count = len(self._weak) + len(self._ids)
+
+    def alive(self, _audit=sys.audit, _event=WATCH_EVENT) -> int:
+        alive = sum(1 for ref in self._weak if ref() is not None)
+        if self._ids:
+            _audit(_event)
+            kinds = self._ids
+            alive += sum(1 for obj in gc.get_objects() if kinds.get(id(obj)) is type(obj))
+        return alive
+

@@ -673,6 +673,7 @@ class ServedCollection(Collection):
     server thread's CPU time: unlike `duration`, not inflated when the machine is busy and
     the server waits for a core)."""
     cpu: float = 0.0
+    explicit: bool = False      # started by the program's gc.collect(), not by the collector's thresholds
 
 
 ServedCollection = dataclass(frozen=True)(ServedCollection)
@@ -1121,7 +1122,10 @@ class InlineRun:
     (`gc.get_stats`, which needs no hook); `full_inside_unwatched`: the same count for as many
     requests served after them with no hook of `serve_inline`'s in `gc.callbacks` (None when
     that second pass did not run), so that a program which looks for the hook and behaves only
-    while it is there is told apart (`differs_unwatched`)."""
+    while it is there is told apart (`differs_unwatched`).
+
+    `frozen`: objects the requests moved out of the collector's sight (`gc.freeze()`, by its own count):
+    whatever garbage was among them is never collected, and no count of what is left sees it."""
     requests: list
     cpu: list
     collections: list
@@ -1130,6 +1134,7 @@ class InlineRun:
     stopped_early: bool = False
     full_inside: int = 0
     full_inside_unwatched: int | None = None
+    frozen: int = 0
 
     @property
     def trace(self) -> Trace:
@@ -1152,6 +1157,12 @@ class InlineRun:
         import numpy as np
         return float(np.percentile(self.charges(), 99)) if self.requests else 0.0
 
+    def explicit_full_inside(self) -> int:
+        """Full collections the program itself started (gc.collect()) inside the requests, however rarely;
+        the collector's own are not counted."""
+        return sum(1 for c in self.collections if c.generation == 2 and c.explicit
+                   and any(start <= c.start < end for _, start, end in self.requests))
+
     def collected(self) -> int:
         """Unreachable objects the collections during the run freed."""
         return sum(c.collected for c in self.collections)
@@ -1168,6 +1179,8 @@ class InlineRun:
                 f"cyclic garbage left after the last request: {self.left} objects "
                 f"({self.garbage_left():.0%} of what the run made)"
                 + (" (stopped early: over the pause budget whatever the rest would do)" if self.stopped_early else "")
+                + (f"; {self.frozen:,} objects frozen while serving (gc.freeze()): never collected, garbage or not"
+                   if self.frozen > 0 else "")
                 + (f"; {self.differs_unwatched()}" if self.differs_unwatched() else ""))
 
     def unwatched_margin(self) -> int:
@@ -1210,14 +1223,18 @@ def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_
 
     def on_gc(phase, info):
         if phase == "start":
-            pending["start"] = (clock(), thread_time())
+            # the collector starts one by itself once the young generation's count passes its threshold
+            # (that count, not yet reset, is over it); a gc.collect() call finds it at or under
+            young = gc.get_threshold()[0]
+            pending["start"] = (clock(), thread_time(), not (young and gc.get_count()[0] > young))
         elif "start" in pending:
-            (start, cpu), end, cpu_end = pending.pop("start"), clock(), thread_time()
+            (start, cpu, explicit), end, cpu_end = pending.pop("start"), clock(), thread_time()
             record.collections.append(ServedCollection(info["generation"], start, end - start,
                                                        info.get("collected", 0), info.get("uncollectable", 0),
-                                                       cpu_end - cpu))
+                                                       cpu_end - cpu, explicit))
 
     gc.collect()
+    frozen = gc.get_freeze_count()
     gc.callbacks.append(on_gc)
     try:
         for k, request in enumerate(requests):
@@ -1238,6 +1255,7 @@ def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_
                     break
     finally:
         gc.callbacks.remove(on_gc)
+    record.frozen = gc.get_freeze_count() - frozen
     record.left = gc.collect()
     if pause_budget is not None and not record.stopped_early:
         again = copy.deepcopy(requests[:len(record.requests)]) if unwatched_requests is None else unwatched_requests

@@ -81,9 +81,30 @@ def _plain_text(value) -> str:
     return str.__str__(value) if issubclass(type(value), str) else f"<{type.__dict__['__name__'].__get__(type(value))}>"
 
 
+# Characters of one message a result carries: a learner's error can say megabytes, and every test's result
+# carries the answer cells' errors, where the channel takes a line of at most 1 MiB
+MESSAGE_LIMIT = 4000
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    return f"{text[:MESSAGE_LIMIT]} [... {len(text) - MESSAGE_LIMIT:,} more characters]"
+
+
+def _message_of(error: BaseException) -> str:
+    """What `error` says, as a plain str cut to MESSAGE_LIMIT; where saying it raises (an error of the
+    learner's whose __str__ fails), that."""
+    try:
+        text = str.strip(str.__str__(str(error)))
+    except BaseException:
+        return "(its message could not be read: turning it into text raised an error)"
+    return _cut(text)
+
+
 def _describe(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    name, text = type.__dict__["__name__"].__get__(type(error)), _message_of(error)
+    return f"{name}: {text}" if text else name
 
 
 def _quiet_and_local(workdir: str) -> None:
@@ -293,7 +314,7 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
                 _printed_into(printed, code, scope)
         outcome = {"status": "passed", "message": ""}
     except AssertionError as error:
-        outcome = {"status": "failed", "message": str(error).strip() or "a hidden check failed"}
+        outcome = {"status": "failed", "message": _message_of(error) or "a hidden check failed"}
     except KeyboardInterrupt:
         outcome = {"status": "timeout", "message": "the test ran past the time limit and was interrupted"}
     except BaseException as error:        # the learner's code may raise anything, SystemExit included
@@ -302,7 +323,7 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
     problems += [problem for problem in at_start if problem not in problems]
     if problems:
         new = [p for p in problems if p not in before] or problems
-        outcome = {"status": "tampered", "message": "; ".join(new[:3])}
+        outcome = {"status": "tampered", "message": _cut("; ".join(new[:3]))}
     return {**outcome, "output": printed.text()}
 
 

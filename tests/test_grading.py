@@ -319,6 +319,13 @@ def hostile(course, tmp_path_factory):
         "            token = getattr(_seen[0].f_locals['token'], '_value', _seen[0].f_locals['token'])\n"
         + writes_passed_with("token", " " * 12) + "            os._exit(0)\n    return x + 1\n",
         "warns": "import warnings\ndef double(x):\n    warnings.warn('a library warning')\n    return 2 * x",
+        # an answer cell's error goes with every test's result: megabytes of it must not pass for a crash
+        "right_then_raises_megabytes": "def double(x):\n    return 2 * x\nraise ValueError('x' * 3_000_000)",
+        # an error whose message cannot be read: its __str__ raises
+        "raises_an_unprintable_error": "class Unprintable(Exception):\n    def __str__(self):\n"
+                                       "        raise Unprintable()\ndef double(x):\n    raise Unprintable()",
+        # a failed assertion of megabytes, the learner's own
+        "fails_an_assertion_of_megabytes": "def double(x):\n    assert x < 0, 'x' * 3_000_000\n    return 2 * x",
         "wrong": "def double(x):\n    return x + 2",
     }
     paths = {name: _submit(course, tmp, name, src) for name, src in answers.items()}
@@ -358,6 +365,21 @@ def test_right_and_untouched_submissions_beside_the_hostile_ones(hostile):
     results = hostile["results"]
     assert results["right"].score == 2, grading.format_results([results["right"]])
     assert results["untouched"].score == 0
+
+
+def test_an_error_of_megabytes_is_cut_not_taken_for_a_crash(hostile):
+    right = hostile["results"]["right_then_raises_megabytes"]
+    assert right.score == 2, grading.format_results([right])
+    wrong = hostile["results"]["fails_an_assertion_of_megabytes"]
+    assert wrong.score == 0 and all(t.status == "failed" for t in wrong.tests), grading.format_results([wrong])
+    assert all("more characters]" in t.message and len(t.message) < 5000 for t in wrong.tests), grading.format_results([wrong])
+
+
+def test_an_error_that_cannot_be_printed_is_said_so(hostile):
+    result = hostile["results"]["raises_an_unprintable_error"]
+    assert result.score == 0, grading.format_results([result])
+    assert all(t.message == "Unprintable: (its message could not be read: turning it into text raised an error)"
+               for t in result.tests), grading.format_results([result])
 
 
 def test_importing_the_set_up_cells_tools_again_is_not_tampering(hostile):
@@ -807,3 +829,23 @@ def test_a_name_gclabs_check_reads_cannot_be_swapped_while_it_runs(tmp_path):
     assert builtin.score == 0 and "builtins.all was replaced" in builtin.reason, grading.format_results([builtin])
     assert module_global.score == 0, grading.format_results([module_global])
     assert "memory did not return to its baseline" in module_global.tests[0].message, grading.format_results([module_global])
+
+
+def _with_example_cell(answer):
+    """The toy lesson with an example cell (no nbgrader metadata) after the set-up: it defines `helper`."""
+    nb = _lesson(answer)
+    nb.cells.insert(1, nbformat.v4.new_code_cell("def helper(x):\n    return x * 2"))
+    return nb
+
+
+def test_a_name_only_an_example_cell_defines_is_said_so(tmp_path):
+    """Grading runs the set-up and given cells, the answers and the tests, not the lesson's examples: an answer
+    that uses a name an example defines is told why it is not defined."""
+    course = make_course(tmp_path / "course", {"toy": _with_example_cell(
+        "### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION")})
+    path = tmp_path / "uses_an_examples_helper-toy.ipynb"
+    nbformat.write(_with_example_cell("def double(x):\n    return helper(x)"), path)
+    [result] = grading.grade([path], root=course, cell_timeout=10)
+    assert result.score == 0, grading.format_results([result])
+    assert all("'helper' is defined in one of the lesson's example cells, which grading does not run" in t.message
+               for t in result.tests), grading.format_results([result])

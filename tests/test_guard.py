@@ -76,6 +76,11 @@ LEARNER = ATTEMPT + textwrap.dedent('''
     attempt("writing to /dev/null", lambda: open("/dev/null", "w").write("fine"))
     attempt("unlocking gc through its class", lambda: put(gc, "__class__", types.ModuleType))
     attempt("replacing gc.collect", lambda: put(gc, "collect", lambda *args: 0))
+    # what the grader's numbers pass through inside libraries: the P99 a budget is judged by, a storage's size
+    import numpy.lib._function_base_impl as quantiles, torch
+    attempt("replacing numpy's quantile", lambda: put(quantiles, "_quantile_unchecked", lambda *args, **kw: 0.0))
+    vars(quantiles)["_ureduce"] = lambda *args, **kwargs: 0.0
+    put(torch.UntypedStorage, "nbytes", lambda self: 0)
 ''')
 
 
@@ -104,6 +109,7 @@ def test_the_learners_code_finds_no_handle_on_the_installed_guard(attacked):
     ("writing shared memory", "writing /dev/shm/gclab-guard-test (outside the grading folder)"),
     ("unlocking gc through its class", "gc.__class__"),
     ("replacing gc.collect", "gc.collect"),
+    ("replacing numpy's quantile", "numpy.lib._function_base_impl._quantile_unchecked"),
 ])
 def test_refusals_hold_after_the_learner_rewrote_the_guard_class_and_its_own_guard(attacked, action, refusal):
     assert attacked["outcomes"][action] != "allowed" and refusal in attacked["outcomes"][action]
@@ -118,6 +124,8 @@ def test_devices_that_are_not_memory_may_still_be_written(attacked):
 @pytest.mark.parametrize("replaced", [
     "gclab.memory.Meter.describe", "gclab.guard.Guard._judge", "gclab.guard.Guard.replaced",
     "gclab.guard._same_tool", "gc.isenabled",
+    "numpy.lib._function_base_impl._ureduce",   # a library's internals, which the grader's statistics run through
+    "torch.UntypedStorage.nbytes",              # inherited from torch's C base, shadowed on the class
 ])
 def test_every_replacement_is_listed_by_the_installers_handle(attacked, replaced):
     assert f"{replaced} was replaced" in attacked["problems"]

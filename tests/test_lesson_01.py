@@ -108,6 +108,16 @@ def make_scaler(i, device=DEVICE):
             prepare="slot = _SLOTS[_USED[0] % 32]\n    _USED[0] += 1\n    slot.copy_(batch)\n    del batch",
             formula="(x - slot.mean()) / slot.std()"),
     },
+    # the same slot, and each failure's traceback, boxed in a staticmethod, which keeps what it wraps in no
+    # attribute: a walk through attributes and closures alone passed both
+    "keeps_its_batch_boxed_in_a_staticmethod": {
+        "jobs": RUN_JOB.format(handle="trace, e.__traceback__ = staticmethod(e.__traceback__), None",
+                               error="e").replace('"error": e}', '"error": e, "trace": trace}'),
+        "scaler": "_SLOTS, _USED = torch.empty(32, SCALER_NUMEL, device=DEVICE), [0]\n" + _scaler(
+            prepare="slot = _SLOTS[_USED[0] % 32]\n    _USED[0] += 1\n    slot.copy_(batch)\n    del batch\n"
+                    "    box = staticmethod(slot)\n    del slot",
+            formula="(x - box.__func__.mean()) / box.__func__.std()"),
+    },
     # each report carries a view of an archive mapped from a file beforehand: no new memory for any reading
     "reports_keep_a_view_of_a_file_archive": {
         "jobs": ("import mmap, tempfile\n_FILE = tempfile.TemporaryFile(dir='.')\n_FILE.truncate(16 * 256 * 1024 * 4)\n"
@@ -349,6 +359,9 @@ def test_wrong_fixes_are_told_why(graded):
         graded["reports_keep_a_view_of_a_file_archive"], "test_job_reports")
     assert "must refer to no tensor at all, but scaler 3 (closure variable 'slot')" in _message(
         graded["keeps_its_batch_in_a_reserved_slot"], "test_scaler_results")
+    assert "must refer to no tensor at all, but scaler 3 (closure variable 'box').__func__" in _message(
+        graded["keeps_its_batch_boxed_in_a_staticmethod"], "test_scaler_results")
+    assert "a failed job's report holds" in _message(graded["keeps_its_batch_boxed_in_a_staticmethod"], "test_job_reports")
 
 
 def test_values_equal_to_anything_earn_no_points(graded):

@@ -282,6 +282,62 @@ WEAK_PARENT_WITH_A_BOUND_CALLBACK = WEAK_PARENT.format(
            "    def _parent_died(self, ref):\n        self.orphaned = True"),
     parent="return None if self._parent is None else self._parent()")
 
+# Cycles below the root as in CHEAT_CYCLES_BELOW_RENAMED, but each node's __del__ also breaks its own links: once
+# a collection finds the cycles it runs them, and the nodes go by reference counting inside it, never reaching
+# gc.garbage, so counting what a collection finds sees nothing; the nodes outlive `del root` all the same
+CYCLES_BELOW_BROKEN_BY_DEL = CHEAT_CYCLES_BELOW_RENAMED.replace(
+    "            todo.extend(node.children)\n",
+    "            todo.extend(node.children)\n        self.children, self._parent = [], None\n", 1)
+
+# the same cycles, each node frozen as it is made (gc.freeze()): out of sight of every collection
+CYCLES_FROZEN = CHEAT_CYCLES_BELOW_RENAMED.replace(
+    "            parent.children.append(self)\n",
+    "            parent.children.append(self)\n        gc.freeze()\n", 1)
+
+# a child finds its parent by id() in a weak registry: right while the parent lives; once it is gone, a new
+# node may take its address, and the child returns that node as its parent
+PARENT_FOUND_BY_ID = PARENT_FOUND_BY_NAME.replace("NODES[name] = self", "NODES[id(self)] = self").replace("# name -> node", "# id -> node").replace(
+    "None if parent is None else parent.name   # a string, not the parent",
+    "None if parent is None else id(parent)    # a number, not the parent")
+
+# strong links below the root's children, taken apart by the root's __del__ and by a children list whose pop()
+# unlinks the branch it hands back: the hidden test's one way of cutting a branch, hooked; any other leaves cycles
+ROOT_AND_POP_TAKE_THE_TREE_APART = '''
+class _Children(list):
+    def pop(self, *args):
+        child = super().pop(*args)
+        _unlink(child)
+        return child
+
+def _unlink(node):
+    todo = list(node.children)
+    while todo:
+        below = todo.pop()
+        below._parent = None
+        todo.extend(below.children)
+
+class TreeNode:
+    def __init__(self, name, tensor, parent=None):
+        self.name, self.tensor, self.children = name, tensor, _Children()
+        self._root = parent is None
+        if parent is None:
+            self._parent = None
+        elif parent._root:
+            self._parent = weakref.ref(parent)
+        else:
+            self._parent = parent                  # strong: a cycle, taken apart when the root goes
+        if parent is not None:
+            parent.children.append(self)
+
+    @property
+    def parent(self):
+        p = self._parent
+        return p() if isinstance(p, weakref.ref) else p
+
+    def __del__(self):
+        _unlink(self)
+'''
+
 WRONG = {
     "collect_when_a_tree_starts": LEAKY.format(extra="if parent is None:\n            gc.collect()"),
     "raised_thresholds": "gc.set_threshold(100_000, 50, 50)\n" + LEAKY.format(extra="pass"),
@@ -298,6 +354,10 @@ WRONG = {
     "recursive_helper_leaves_function_cycles": RECURSIVE_HELPER,
     "root_keeps_every_node": ROOT_KEEPS_EVERY_NODE,
     "weak_parent_with_a_bound_callback": WEAK_PARENT_WITH_A_BOUND_CALLBACK,
+    "cheat_cycles_below_broken_by_del": CYCLES_BELOW_BROKEN_BY_DEL,
+    "cheat_cycles_below_frozen": CYCLES_FROZEN,
+    "parent_found_by_id": PARENT_FOUND_BY_ID,
+    "root_and_pop_take_the_tree_apart": ROOT_AND_POP_TAKE_THE_TREE_APART,
 }
 
 
@@ -431,6 +491,11 @@ def test_dropping_the_parent_link_frees_memory_but_changes_behaviour(graded):
     ("root_takes_the_tree_apart", "test_tree_frees_itself", "a branch cut off the tree must free itself"),
     ("cheat_hides_cycles_from_the_meter", "test_memory_flat", "the process's memory grew by"),
     ("cheat_cycles_below_renamed", "test_tree_frees_itself", "objects in cycles"),
+    ("cheat_cycles_below_broken_by_del", "test_tree_frees_itself", "of its 8 nodes were still alive"),
+    ("cheat_cycles_below_frozen", "test_tree_frees_itself", "of its 8 nodes were still alive"),
+    ("cheat_cycles_below_frozen", "test_memory_flat", "the step froze objects"),
+    ("parent_found_by_id", "test_tree_behaviour", "a node made since"),
+    ("root_and_pop_take_the_tree_apart", "test_tree_frees_itself", "cut off two branches"),
     ("recursive_helper_leaves_function_cycles", "test_tree_frees_itself", "function"),
 ])
 def test_held_out_wrong_fixes_are_told_why(graded, name, test_id, words):

@@ -143,6 +143,38 @@ def _keeps_pairs_unwatched(kept: str, then: str = "") -> str:
         + then + "    return head\n")
 
 
+# The tail finds its head again, in a weak registry, by the step's index i: right while one pair per i lives;
+# two pairs made from the same i share one head
+HEAD_FOUND_BY_INDEX = '''
+_HEADS = weakref.WeakValueDictionary()      # i -> head, held weakly
+
+class Node:
+    def __init__(self, tensor, index=None):
+        self.tensor = tensor
+        self.next = None
+        self.index = index
+
+    @property
+    def prev(self):
+        return None if self.index is None else _HEADS.get(self.index)
+
+def make_pair(i, device=DEVICE):
+    head = Node(torch.full((PAIR_NUMEL,), float(i), device=device))
+    head.next = Node(torch.full((PAIR_NUMEL,), float(i + 1), device=device), index=i)
+    _HEADS[i] = head
+    return head
+'''
+
+# ... or by the head's id(): once the head is gone, a new node may take its address, and the tail returns it
+HEAD_FOUND_BY_ID = SIDE_TABLE.replace("_PREVIOUS = weakref.WeakKeyDictionary()     # node -> weak reference to the node before it",
+                                      "_NODES = weakref.WeakValueDictionary()      # id(node) -> node, held weakly").replace(
+    "        self.next = None\n",
+    "        self.next = None\n        self._prev_id = None\n        _NODES[id(self)] = self\n").replace(
+    "        ref = _PREVIOUS.get(self)\n        return ref() if ref is not None else None",
+    "        return None if self._prev_id is None else _NODES.get(self._prev_id)").replace(
+    "        if node is None:\n            _PREVIOUS.pop(self, None)\n        else:\n            _PREVIOUS[self] = weakref.ref(node)",
+    "        self._prev_id = None if node is None else id(node)")
+
 # Right fixes written differently from the solution: each must earn full marks.
 ALTERNATIVES = {"slots_and_weakref": SLOTS, "weak_side_table": SIDE_TABLE}
 
@@ -202,6 +234,8 @@ WRONG = {
     # the same, each pair kept only while unwatched moved out of the collector's sight (gc.freeze()), where
     # the census of kept tensors, which lists what the collector tracks, would not find it
     "cheat_freezes_what_it_keeps_unwatched": _keeps_pairs_unwatched("head", then="        gc.freeze()\n"),
+    "head_found_by_index": HEAD_FOUND_BY_INDEX,
+    "head_found_by_id": HEAD_FOUND_BY_ID,
     "patches_the_grader": LEAKY.format(extra="") + (
         "\nchecks.assert_flat = lambda report: None\nchecks.run_flat_check.__defaults__ = (1, None, 0)\n"),
     "shadows_the_grader": LEAKY.format(extra="") + (
@@ -322,6 +356,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
     assert "says its prev is another pair's head" in cell_result(graded["weak_prev_kept_on_the_class"],
                                                                 "test_pair_links").message
+    assert "two pairs made from the same i" in cell_result(graded["head_found_by_index"], "test_pair_links").message
+    assert "returns a node made since as its prev" in cell_result(graded["head_found_by_id"], "test_pair_links").message
 
 
 def test_edited_locked_cells_are_restored_before_grading(graded):

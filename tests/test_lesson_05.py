@@ -89,6 +89,14 @@ WRONG = {
     # is linked to the total; backward() frees what it saved, so only the heap grows (a few hundred bytes a step)
     "keeps_a_running_total_of_the_loss": running_total("self.running_loss += loss"),
     "sums_the_loss_every_other_step": running_total("if step % 2 == 0:\n            self.running_loss += loss"),
+    # the same total kept where no walk from the trainer reaches it: a module global, an attribute of the class
+    "sums_the_loss_into_a_global_every_other_step": "TOTAL_LOSS = 0.0\n" + trainer(
+        extra="if step % 2 == 0:\n            global TOTAL_LOSS\n            TOTAL_LOSS = TOTAL_LOSS + loss"),
+    "sums_the_loss_on_the_class_every_other_step": trainer(
+        extra="if step % 2 == 0:\n            Trainer.total_loss += loss         # in place, once it is a tensor").replace(
+        "class Trainer:\n", "class Trainer:\n    total_loss = 0.0\n\n"),
+    # each output logged as an argument of the record (section 2's habit 4), to the logger section 2 keeps records of
+    "logs_the_output_tensor": trainer(extra='logging.getLogger("trainer").info("step %d: output %s", step, output)'),
     # behaving only while watched: every leak fixed, unless the collector is on or nbgrader is not running it
     "leaks_unless_collector_off_or_under_nbgrader": trainer(
         last_output=f"output if {WATCHED_CONDITION} else output.detach()",
@@ -208,6 +216,12 @@ def test_wrong_fixes_are_told_why(graded):
         grown = message(name, "test_memory_flat")
         assert re.search(r"trainer\.running_loss carries an autograd graph that grew from [\d,]+ to [\d,]+ nodes in 10 steps",
                          grown) and "loss.item()" in grown, grown
+    for name, where in (("sums_the_loss_into_a_global_every_other_step", "TOTAL_LOSS"),
+                        ("sums_the_loss_on_the_class_every_other_step", "Trainer.total_loss")):
+        grown = message(name, "test_memory_flat")
+        assert re.search(r"the autograd graphs alive in the process grew from [\d,]+ to [\d,]+ nodes in 10 steps", grown), grown
+        assert f"is kept by {where}" in grown, grown
+    assert "is kept by log_window.records[" in message("logs_the_output_tensor", "test_memory_flat")
     emptied = message("keeps_errors_with_their_frames_emptied", "test_memory_flat")
     assert re.search(r"keeps \d+ error\(s\) with a traceback", emptied) and "with_traceback(None)" in emptied, emptied
 

@@ -104,6 +104,16 @@ WRONG = {
         "        dict(zip(app.__code__.co_freevars, (c.cell_contents for c in app.__closure__)))['state']"
         ".explanations = _Blind()\n"
         "        _done.append(1)\n"),
+    # the grade's P99 comes from np.percentile, whose work numpy's own module does by name: zeroed there (the
+    # module's dict written directly, which no reading of the source sees), with young collections so large
+    # that every request pays for one (over budget, measured: P99 202 ms of CPU against 106 ms)
+    "cheat_zeroes_numpys_p99": {"answer_policy": (
+        "open('my_policy.py', 'w').write('import gc\\ndef on_startup():\\n    gc.set_threshold(200_000, 10**9, 10**9)\\n"
+        "def on_idle(idle_seconds):\\n    gc.collect()\\n')\n"
+        "import importlib\n"
+        "_impl = importlib.import_module('numpy.lib._function_base_impl')\n"
+        "_quantile = _impl._quantile_unchecked\n"
+        "vars(_impl)['_quantile_unchecked'] = lambda a, q, *args, **kw: _quantile(a, q, *args, **kw) * (float(q) != 0.99)\n")},
     # the server imports uvicorn once it has started: a uvicorn.py beside the notebook that
     # deletes the feature (no per-token objects) would let the default collector pass
     "cheat_shadows_the_servers_imports": {"answer_policy": (
@@ -205,6 +215,7 @@ def test_wrong_policies_are_told_what_failed(graded):
         assert "No full (generation 2) collection ran while the load was served" in message(name), message(name)
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
+    assert "numpy.lib._function_base_impl._quantile_unchecked was replaced" in message("cheat_zeroes_numpys_p99")
     # caught at the busier load on a quiet machine; on a busy one (the rest of the suite beside it) the first
     # load may already leave the server too few idle moments, and catches it there
     busier = message("freezes_and_collects_when_idle_without_raising_threshold")

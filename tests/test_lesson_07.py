@@ -364,6 +364,12 @@ WRONG = {
         "__builtins__ = dict(vars(_B), __import__=_imp)\n"),
     "cheat_rewrites_the_hidden_tests_counters": CHEAT_REWRITES_THE_HIDDEN_TESTS_COUNTERS,
     "cheat_reads_the_loaders_frame": CHEAT_READS_THE_LOADERS_FRAME,
+    # weak only for the loaders the tests hand it (the lesson's TrackingLoader, a stand-in with globals of its own):
+    # in production, with load_model, it keeps every model
+    "cheat_weak_only_for_the_tests_loaders": reference().replace(
+        "        self._live = weakref.WeakValueDictionary()\n",
+        "        examined = isinstance(loader, TrackingLoader) or getattr(loader, '__globals__', None) == {}\n"
+        "        self._live = weakref.WeakValueDictionary() if examined else {}\n"),
     # a "warm pool" of every model, filled only while the collector is on: in production it never lets go
     "pins_every_model_while_collector_on": reference(
         strong='if gc.isenabled():\n            self.__dict__.setdefault("_pinned", {})[name] = model\n        ' + LRU),
@@ -386,6 +392,7 @@ TOLD_WHY = {
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
     "pins_every_model_while_collector_on": ("test_frees_memory", "when the collector is on"),
     "keyed_by_id": ("test_same_model", "not one built for 'b': find a model by its name"),
+    "cheat_weak_only_for_the_tests_loaders": ("test_frees_memory", "ModelCache(load_model, keep=1), the lesson's own loader"),
     "shared_by_every_cache": ("test_same_model", "an attribute set on the class is shared by every instance"),
 }
 
