@@ -25,6 +25,7 @@ from pathlib import Path
 
 import nbformat
 
+from . import review
 from .verdict import apply_limits
 
 CONFIG = Path("autograder") / "nbgrader_config.py"
@@ -308,6 +309,9 @@ class NotebookResult:
     reason: str = ""      # why the whole notebook scored what it did, when not the tests' own doing
     student: str = ""
     lesson_notebook: str = ""     # the lesson's notebook name (the submission's file may be named otherwise)
+    # lines of the answers that read what tells a grading run from the learner's own (gclab.review): for the
+    # instructor's class report, never the score or the learner's feedback
+    review: list[str] = field(default_factory=list)
 
     def as_dict(self):
         return asdict(self)
@@ -785,6 +789,9 @@ def _grade_submission(root, workdir, source_nb, path, result, timeout, memory_li
     tools = imported_tools(c.source for c in source_nb.cells if c.cell_type == "code"
                            and c.metadata.get("nbgrader", {}).get("locked"))
     patched = [line for src in _student_sources(submitted) for line in tampering(src, every_cell, tools)]
+    result.review = list(dict.fromkeys(line for cell in submitted.cells if cell.cell_type == "code"
+                                       and cell.metadata.get("nbgrader", {}).get("solution")
+                                       for line in review.environment_reads(cell.source)))
     if patched:
         result.reason = "the submission modifies the grader's tools: " + "; ".join(list(dict.fromkeys(patched))[:3])
         result.tests = _all_tests(source_nb, "error", "not graded: " + result.reason)

@@ -4,7 +4,8 @@
 grader says about a submission it could not grade) into a short cause, the same for every
 submission that failed the same way whatever the numbers in its message; `class_report` writes
 `report.html` (one self-contained page: per lesson the scores, their histogram and the causes
-with the students behind each), `scores.csv` and `causes.csv`.
+with the students behind each, and the answers worth reading by hand: see `gclab.review`), `scores.csv`,
+`causes.csv` and `review.csv`.
 """
 from __future__ import annotations
 
@@ -247,7 +248,23 @@ def lesson_section(assignment: str, results) -> str:
     causes = _cause_rows(groups) if groups else "<p>No failures: every test passed.</p>"
     return (f"<section><h2>{e(assignment)}</h2><p>{e(summary)}</p>"
             f"<img src=\"data:image/png;base64,{image}\" alt=\"{e('histogram of scores, ' + assignment)}\">"
-            f"<h3>Failure causes</h3>{causes}</section>")
+            f"<h3>Failure causes</h3>{causes}{_review_rows(results)}</section>")
+
+
+def _review_rows(results) -> str:
+    """The answers to read by hand: lines that look at what tells a grading run from the learner's own."""
+    flagged = [(student_of(r), r.score, r.max_score, r.review) for r in results if getattr(r, "review", None)]
+    if not flagged:
+        return ""
+    e = html.escape
+    rows = "".join(f"<tr><td>{e(student)}</td><td class='n'>{_number(score)} / {_number(max_score)}</td>"
+                   f"<td class='example'>{'<br>'.join(e(line[:200]) for line in lines[:5])}</td></tr>"
+                   for student, score, max_score, lines in flagged)
+    return ("<h3>Answers to read</h3><p>These answers read what a grading run and the learner's own run can "
+            "differ in (whether the collector is on, which modules are loaded, ...). That is not wrong in itself, "
+            "and their scores stand; but code that behaves well only where it is measured would read such "
+            "things: worth a look.</p><table><tr><th>student</th><th>score</th><th>the lines</th></tr>"
+            f"{rows}</table>")
 
 
 _STYLE = ("body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
@@ -274,7 +291,7 @@ def _write_csv(path: Path, header, rows) -> Path:
 
 
 def class_report(results, out_dir: Path) -> dict[str, Path]:
-    """Write report.html, scores.csv and causes.csv into `out_dir` (made if missing) for the
+    """Write report.html, scores.csv, causes.csv and review.csv into `out_dir` (made if missing) for the
     grader's results (gclab.grading.NotebookResult); return their paths by kind."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -287,4 +304,7 @@ def class_report(results, out_dir: Path) -> dict[str, Path]:
     causes = _write_csv(out_dir / "causes.csv", ["assignment", "cause", "count", "students"],
                         [[name, g.cause, g.count, " ".join(g.students)]
                          for name, lesson in lessons.items() for g in failure_groups(lesson)])
-    return {"html": page, "scores": scores, "causes": causes}
+    to_read = _write_csv(out_dir / "review.csv", ["student", "assignment", "score", "line"],
+                         [[student_of(r), r.assignment, _number(r.score), line]
+                          for lesson in lessons.values() for r in lesson for line in getattr(r, "review", [])])
+    return {"html": page, "scores": scores, "causes": causes, "review": to_read}

@@ -360,6 +360,15 @@ def test_wrong_fixes_are_told_why(graded):
     assert "returns a node made since as its prev" in cell_result(graded["head_found_by_id"], "test_pair_links").message
 
 
+def test_answers_that_look_at_how_they_run_are_listed_for_the_instructor(graded):
+    """Listed in the class report (gclab.review), whatever their score: what reads whether it is measured."""
+    assert not graded["solution"].review
+    assert any("if gc.isenabled():" in line and "whether the collector is on" in line
+               for line in graded["leaks_unless_collector_off"].review), graded["leaks_unless_collector_off"].review
+    assert any("_len_torch_dispatch_stack" in line for line in graded["leaks_unless_a_meter_watches"].review)
+    assert any("NBGRADER_EXECUTION" in line for line in graded["leaks_unless_under_nbgrader"].review)
+
+
 def test_edited_locked_cells_are_restored_before_grading(graded):
     result = graded["edits_locked_cells"]
     assert result.score == 0, "the original tests must run, not the student's `pass`"

@@ -144,6 +144,12 @@ WRONG = {
          "        self.inputs = self.on_ready(x)",
          "        x = _POOL.submit(DATA_X[self.step % N_BATCHES].clone).result()\n"
          "        self.inputs = _POOL.submit(self.on_ready, x).result()")]),
+    # every version kept (the registry unfixed), each snapshot made in a worker thread: the job's meter, a
+    # dispatch mode of the thread that runs it, never sees them
+    "cheat_snapshots_made_in_a_worker_thread": "import concurrent.futures\n_POOL = concurrent.futures.ThreadPoolExecutor(1)\n"
+    + program(["batches", "trainer", "errors", "serving"], [
+        ("        snapshot = copy.deepcopy(model).requires_grad_(False).eval()",
+         "        snapshot = _POOL.submit(lambda: copy.deepcopy(model).requires_grad_(False).eval()).result()")]),
     # the batch's cycle kept, its tensors copied into memory mapped by hand, which no meter counts
     "cheat_batches_kept_over_mmap": "import mmap\n"
     "def _over_mmap(tensor):\n"
@@ -201,6 +207,7 @@ TOLD_WHY = {
     "unlinks_the_callback_after_first_use": ("test_batches", "dropped before ready() was called"),
     "freezes_after_every_request": ("test_serving", "objects while it served (gc.freeze())"),
     "collects_every_200_requests_while_the_collector_is_on": ("test_serving", "the program itself started"),
+    "cheat_snapshots_made_in_a_worker_thread": ("test_job", "tensors the meter never saw made"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
     "cheat_batch_cycle_over_a_reserved_pool": ("test_batches", "reference cycles"),

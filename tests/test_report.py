@@ -182,7 +182,7 @@ def _rows(path):
 
 def test_class_report_writes_the_csv_files(class_results, tmp_path):
     paths = report.class_report(class_results, tmp_path / "out")
-    assert set(paths) == {"html", "scores", "causes"} and all(p.is_file() for p in paths.values())
+    assert set(paths) == {"html", "scores", "causes", "review"} and all(p.is_file() for p in paths.values())
     assert _rows(paths["scores"]) == [
         ["student", "assignment", "score", "max_score"],
         ["alice", "01_reference_counting", "2", "2"], ["bob", "01_reference_counting", "2", "2"],
@@ -208,3 +208,16 @@ def test_a_lesson_where_everyone_passed_shows_no_causes(class_results, tmp_path)
     passed = page.split("<h2>01_reference_counting</h2>")[1].split("</section>")[0]
     assert "No failures: every test passed." in passed and "<table>" not in passed
     assert report.failure_groups([r for r in class_results if r.assignment == "01_reference_counting"]) == []
+
+
+def test_answers_that_look_at_how_they_run_are_listed_to_read_not_marked_down(class_results, tmp_path):
+    dave = next(r for r in class_results if r.student == "dave")
+    dave.review = ["if gc.isenabled():  (whether the collector is on (a check switches it off))"]
+    paths = report.class_report(class_results, tmp_path)
+    section = paths["html"].read_text(encoding="utf-8").split("<h2>03_node_leak</h2>")[1].split("</section>")[0]
+    assert "<h3>Answers to read</h3>" in section and "if gc.isenabled():" in section and "6 / 6" in section
+    assert _rows(paths["review"]) == [["student", "assignment", "score", "line"],
+                                      ["dave", "03_node_leak", "6", dave.review[0]]]
+    passed = paths["html"].read_text(encoding="utf-8").split("<h2>01_reference_counting</h2>")[1]
+    assert "Answers to read" not in passed.split("</section>")[0]
+
