@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -973,6 +974,37 @@ def test_a_graph_that_every_step_extends_is_caught_by_its_node_count():
 def test_a_graph_replaced_every_step_is_not_growth():
     loop = _Accumulates(running=False)
     checks.assert_graphs_do_not_grow(loop.step, loop, "loop")
+
+
+RUNNING_TOTALS = {}                 # where a step may keep its running total, out of the loop's reach
+
+
+class _KeepsItsTotalElsewhere(_Accumulates):
+    """The running total kept in a module global, or on the class, changed in place: no walk from the loop sees it."""
+    total_on_the_class = torch.zeros(())
+
+    def step(self, i):
+        loss = (self.weight * i).sum()
+        loss.backward()
+        if self.running == "global":
+            RUNNING_TOTALS["total"] = RUNNING_TOTALS.get("total", 0.0) + loss
+        else:
+            type(self).total_on_the_class += loss
+
+
+@pytest.mark.parametrize("where, kept_by", [("global", "test_checks.RUNNING_TOTALS['total']"),
+                                            ("class", "test_checks._KeepsItsTotalElsewhere.total_on_the_class")])
+def test_a_graph_extended_out_of_the_holders_reach_is_caught_and_found(where, kept_by):
+    loop = _KeepsItsTotalElsewhere(running=where)
+    try:
+        with pytest.raises(AssertionError, match=r"the autograd graphs alive in the process grew from [\d,]+ to "
+                                                 r"[\d,]+ nodes in 10 steps, though nothing loop holds grew"):
+            checks.assert_graphs_do_not_grow(loop.step, loop, "loop")
+        with pytest.raises(AssertionError, match=re.escape(f"is kept by {kept_by}")):
+            checks.assert_graphs_do_not_grow(loop.step, loop, "loop")
+    finally:
+        RUNNING_TOTALS.clear()
+        _KeepsItsTotalElsewhere.total_on_the_class = torch.zeros(())
 
 
 def test_a_step_that_raises_is_told_as_a_failed_check():

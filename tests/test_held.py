@@ -109,3 +109,28 @@ def test_a_dict_keyed_by_tensors_or_objects_is_named_without_their_repr():
     assert "kept['state'][<a float32[300x4] tensor>]['momentum_buffer'], a float32[300x4] tensor (4.69 KiB of storage)" in held
     assert "kept[<a Key>], a float32[2] tensor (8 B of storage)" in held
     assert "kept[7], a float32[1] tensor (4 B of storage)" in held
+
+
+def test_what_a_wrapper_keeps_in_no_attribute_is_held():
+    """A staticmethod, a functools.partial, a generator's frame: followed as the collector follows them."""
+    import functools
+    from gclab.held import tensors_held
+
+    def boxed():
+        box = staticmethod(torch.ones(100))
+
+        def scale(x):
+            return x / box.__func__.sum()
+        return scale
+
+    def paused():
+        kept = torch.ones(50)
+        yield kept.sum()
+
+    generator = paused()
+    next(generator)
+    assert tensors_held(boxed(), "scale") == [
+        "scale (closure variable 'box').__func__, a float32[100] tensor (400 B of storage)"]
+    assert tensors_held(functools.partial(print, torch.ones(10)), "p") == [
+        "p (a referent)[0], a float32[10] tensor (40 B of storage)"]
+    assert tensors_held(generator, "g") == ["g (a referent), a float32[50] tensor (200 B of storage)"]

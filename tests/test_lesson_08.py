@@ -144,6 +144,13 @@ WRONG = {
          "        self.inputs = self.on_ready(x)",
          "        x = _POOL.submit(DATA_X[self.step % N_BATCHES].clone).result()\n"
          "        self.inputs = _POOL.submit(self.on_ready, x).result()")]),
+    # the collection in every request kept, and the pause budget inflated: a heap of ballast there while the test
+    # prices one full collection, let go of while a server runs
+    "cheat_ballast_inflates_the_pause_budget": "\ndef _ballast():\n    return [[] for _ in range(1_500_000)]\n"
+    "_BALLAST = [_ballast()]\ndef _put_back():\n    _BALLAST.append(_ballast())\n"
+    + program(["batches", "trainer", "registry", "errors"], [
+        (SERVER_INIT, SERVER_INIT + "\n        _BALLAST.clear()\n        weakref.finalize(self, _put_back)"),
+        (SERVE_COLLECTS, "        if gc.isenabled():\n            gc.collect()")]),
     # every version kept (the registry unfixed), each snapshot made in a worker thread: the job's meter, a
     # dispatch mode of the thread that runs it, never sees them
     "cheat_snapshots_made_in_a_worker_thread": "import concurrent.futures\n_POOL = concurrent.futures.ThreadPoolExecutor(1)\n"
@@ -208,6 +215,7 @@ TOLD_WHY = {
     "freezes_after_every_request": ("test_serving", "objects while it served (gc.freeze())"),
     "collects_every_200_requests_while_the_collector_is_on": ("test_serving", "the program itself started"),
     "cheat_snapshots_made_in_a_worker_thread": ("test_job", "tensors the meter never saw made"),
+    "cheat_ballast_inflates_the_pause_budget": ("test_serving", "the program itself started"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
     "cheat_batch_cycle_over_a_reserved_pool": ("test_batches", "reference cycles"),

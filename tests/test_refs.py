@@ -138,3 +138,25 @@ def test_forget_last_error_deletes_the_last_error_and_frees_its_frames():
     assert not hasattr(sys, "last_value") and not hasattr(sys, "last_traceback")
     assert probe() is None, "the failed call's locals should be freed with no collection"
     assert forget_last_error() == []
+
+
+def test_lifetimes_say_how_many_objects_still_live_without_keeping_them():
+    from gclab.refs import Lifetimes
+
+    class Weak:
+        pass
+
+    class NoWeak:
+        __slots__ = ("other",)
+
+    weak, no_weak = [Weak() for _ in range(3)], [NoWeak() for _ in range(2)]
+    no_weak[0].other = no_weak[0]                  # a cycle of one: alive until a collection
+    lives = Lifetimes(weak + no_weak)
+    assert lives.count == 5 and lives.alive() == 5
+    del weak[:2]
+    assert lives.alive() == 3
+    first = no_weak[0]
+    del no_weak[:], first
+    assert lives.alive() == 2                      # one Weak, and the NoWeak in its cycle
+    gc.collect()
+    assert lives.alive() == 1

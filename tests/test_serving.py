@@ -681,3 +681,29 @@ def test_a_policy_is_compiled_from_its_source_never_from_bytecode_cached_beside_
     py_compile.compile(str(path), cfile=str(cached), doraise=True)     # a valid cache for policy.py ...
     cached.write_bytes(cached.read_bytes()[:16] + written[16:])        # ... holding the other file's code
     assert load_policy(str(path))["on_idle"](0.01) == "from the source"
+
+
+def test_a_collection_the_program_starts_is_told_from_the_collectors_own():
+    """gc.collect() finds the young generation's count at or under its threshold; the collector starts one
+    by itself once the count passes it."""
+    def collects_every_tenth(request):
+        if request % 10 == 9:
+            gc.collect()
+        return [[] for _ in range(2000)]           # enough allocations for the collector's own collections
+    run = serve_inline(collects_every_tenth, list(range(30)))
+    assert run.explicit_full_inside() == 3
+    assert any(not c.explicit for c in run.collections), "the collector's own collections ran too"
+    assert serve_inline(_cycles, list(range(100))).explicit_full_inside() == 0
+
+
+def test_objects_frozen_while_serving_are_counted():
+    def freezes(request):
+        _cycles(request)
+        gc.freeze()
+        return request
+    try:
+        run = serve_inline(freezes, list(range(10)))
+    finally:
+        gc.unfreeze()
+    assert run.frozen >= 10 * 50 * 2 and "frozen while serving" in run.summary()
+    assert serve_inline(_cycles, list(range(10))).frozen == 0
