@@ -234,6 +234,10 @@ WRONG = {
     # the same, each pair kept only while unwatched moved out of the collector's sight (gc.freeze()), where
     # the census of kept tensors, which lists what the collector tracks, would not find it
     "cheat_freezes_what_it_keeps_unwatched": _keeps_pairs_unwatched("head", then="        gc.freeze()\n"),
+    # a weak prev that cannot be None: reading a head's prev raises
+    "prev_raises_until_set": WEAK_PREV.replace(
+        "        return None if self._prev is None else self._prev()", "        return self._prev()").replace(
+        "        self._prev = None if node is None else weakref.ref(node)", "        self._prev = weakref.ref(node)").format(extra=""),
     "head_found_by_index": HEAD_FOUND_BY_INDEX,
     "head_found_by_id": HEAD_FOUND_BY_ID,
     "patches_the_grader": LEAKY.format(extra="") + (
@@ -357,6 +361,7 @@ def test_wrong_fixes_are_told_why(graded):
     assert "says its prev is another pair's head" in cell_result(graded["weak_prev_kept_on_the_class"],
                                                                 "test_pair_links").message
     assert "two pairs made from the same i" in cell_result(graded["head_found_by_index"], "test_pair_links").message
+    assert "reading a head's prev raised TypeError" in cell_result(graded["prev_raises_until_set"], "test_pair_links").message
     assert "returns a node made since as its prev" in cell_result(graded["head_found_by_id"], "test_pair_links").message
 
 

@@ -68,6 +68,12 @@ WRONG = {
     # no cycle, but the class keeps the last view waited on (and its batch): not a cycle, the message says so
     "keeps_the_last_view_on_the_class": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]",
                                              after="BatchView.last = self"),
+    # the lambdas capture the numbers, not self, but are kept on the class: every view uses the last one's
+    "callbacks_kept_on_the_class": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]").replace(
+        "        self._callbacks = [", "        BatchView._callbacks = ["),
+    # the columns worked out from the lesson's batch shape, not the batch's: a batch of another shape breaks it
+    "columns_from_the_lessons_shape": view(
+        callbacks="[lambda t: t.view(rows, ROWS * COLUMNS // rows), lambda t: t[:, :keep_columns]]"),
     "waits_only_once": view(callbacks="[lambda t: t.view(rows, -1), lambda t: t[:, :keep_columns]]",
                             after="self._pending = None"),
 }
@@ -172,6 +178,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "were not freed" in finaliser and "__del__" in finaliser, finaliser
     assert graded["patches_the_detector"].score == 0
     assert "a second wait() on the same view" in message("waits_only_once", "test_same_views")
+    assert "with two views alive, the older one" in message("callbacks_kept_on_the_class", "test_same_views")
+    assert "the columns follow from the batch's size" in message("columns_from_the_lessons_shape", "test_same_views")
     kept = message("keeps_the_last_view_on_the_class", "test_no_cycle")
     assert "1 of them is still alive after a full collection too, so no cycle keeps them" in kept, kept
 

@@ -95,6 +95,19 @@ WRONG = {
     "sums_the_loss_on_the_class_every_other_step": trainer(
         extra="if step % 2 == 0:\n            Trainer.total_loss += loss         # in place, once it is a tensor").replace(
         "class Trainer:\n", "class Trainer:\n    total_loss = 0.0\n\n"),
+    # clipping that no step of the lesson's data needs at MAX_GRAD_NORM = 1.0, done after the update (so it
+    # never acts), or its norm reported after clipping: the tests lower MAX_GRAD_NORM to see it
+    "clips_after_the_optimizer_step": trainer().replace(
+        "        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)\n        self.optimizer.step()\n",
+        "        self.optimizer.step()\n        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)\n"),
+    "reports_the_clipped_norm": trainer().replace(
+        "        self.optimizer.step()\n",
+        "        self.optimizer.step()\n"
+        "        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters()]))\n"),
+    # the last output kept only for a step that trained: after a skipped step the dashboard shows an older one
+    "keeps_the_last_output_of_trained_steps_only": trainer().replace(
+        "            self.last_output = output.detach()\n", "").replace(
+        "        self.optimizer.step()\n", "        self.optimizer.step()\n        self.last_output = output.detach()\n"),
     # each output logged as an argument of the record (section 2's habit 4), to the logger section 2 keeps records of
     "logs_the_output_tensor": trainer(extra='logging.getLogger("trainer").info("step %d: output %s", step, output)'),
     # behaving only while watched: every leak fixed, unless the collector is on or nbgrader is not running it
@@ -222,6 +235,9 @@ def test_wrong_fixes_are_told_why(graded):
         assert re.search(r"the autograd graphs alive in the process grew from [\d,]+ to [\d,]+ nodes in 10 steps", grown), grown
         assert f"is kept by {where}" in grown, grown
     assert "is kept by log_window.records[" in message("logs_the_output_tensor", "test_memory_flat")
+    assert "losses with MAX_GRAD_NORM = 0.3" in message("clips_after_the_optimizer_step", "test_still_learns")
+    assert "metrics grad_norm with MAX_GRAD_NORM = 0.3" in message("reports_the_clipped_norm", "test_dashboard")
+    assert "after a skipped step" in message("keeps_the_last_output_of_trained_steps_only", "test_dashboard")
     emptied = message("keeps_errors_with_their_frames_emptied", "test_memory_flat")
     assert re.search(r"keeps \d+ error\(s\) with a traceback", emptied) and "with_traceback(None)" in emptied, emptied
 

@@ -144,6 +144,14 @@ WRONG = {
          "        self.inputs = self.on_ready(x)",
          "        x = _POOL.submit(DATA_X[self.step % N_BATCHES].clone).result()\n"
          "        self.inputs = _POOL.submit(self.on_ready, x).result()")]),
+    # the explanations' cycles broken by dropping what the audit page reads: a share's link back to its explanation
+    "drops_the_shares_link_back": program(EVERY_FIX, [
+        ("        self.explanation, self.feature, self.value = explanation, feature, value",
+         "        self.feature, self.value = feature, value")]),
+    # ... or by keeping a weak reference where the explanation was
+    "links_back_with_a_bare_weakref": program(EVERY_FIX, [
+        ("        self.explanation, self.feature, self.value = explanation, feature, value",
+         "        self.explanation, self.feature, self.value = weakref.ref(explanation), feature, value")]),
     # the collection in every request kept, and the pause budget inflated: a heap of ballast there while the test
     # prices one full collection, let go of while a server runs
     "cheat_ballast_inflates_the_pause_budget": "\ndef _ballast():\n    return [[] for _ in range(1_500_000)]\n"
@@ -216,6 +224,8 @@ TOLD_WHY = {
     "collects_every_200_requests_while_the_collector_is_on": ("test_serving", "the program itself started"),
     "cheat_snapshots_made_in_a_worker_thread": ("test_job", "tensors the meter never saw made"),
     "cheat_ballast_inflates_the_pause_budget": ("test_serving", "the program itself started"),
+    "drops_the_shares_link_back": ("test_serving", "reading share.explanation raised AttributeError"),
+    "links_back_with_a_bare_weakref": ("test_serving", "share.explanation must be the explanation the share belongs to"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),
     "cheat_batch_cycle_over_a_reserved_pool": ("test_batches", "reference cycles"),
