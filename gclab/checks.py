@@ -1004,7 +1004,12 @@ class PolicyReport:
                 lines.append(f"{seen}, over the bound of {self.garbage_bound}: the cycles the server makes wait too "
                              "long for a collection (or never get one), so memory grows while the server is busy. "
                              "Switching the collector off, or collecting only once the load is over, is not a fix.")
-            if not checks["garbage collectable"]:
+            if not checks["garbage collectable"] and garbage.get("saved_in_gc_garbage"):
+                lines.append(f"{self.garbage_never_freed} responses' worth of garbage were still alive after the "
+                             "server's own full collection at the end, kept in gc.garbage: with gc.DEBUG_SAVEALL "
+                             "set (gc.set_debug), the collector keeps everything it finds there and frees none of it, "
+                             "so memory grows for as long as the server runs. Leave the debug flags off.")
+            elif not checks["garbage collectable"]:
                 lines.append(f"{self.garbage_never_freed} responses' worth of garbage were still alive after the "
                              "server's own full collection at the end: objects frozen (gc.freeze()) while in use are "
                              "never collected once they die, so memory grows for as long as the server runs. Freeze "

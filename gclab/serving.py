@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import urllib.request
 import weakref
 from dataclasses import dataclass, field
@@ -214,10 +215,13 @@ class ServerState:
         alive = len(self.explanations)
         cached = min(self.cache.size, sum(1 for value in list(self.cache.entries.values())
                                           if isinstance(value, Explanation)))
-        uncollected = max(0, alive - cached)
+        # with gc.DEBUG_SAVEALL the collector keeps what it finds in gc.garbage, never freed; their weak
+        # references were cleared first, so they have left the set (and were counted as freed)
+        saved = sum(1 for value in list(gc.garbage) if type(value) is Explanation) if gc.garbage else 0
+        uncollected = max(0, alive - cached) + saved
         self.peak_garbage = max(self.peak_garbage, uncollected)
         return {"explanations_alive": alive, "cached": cached, "uncollected": uncollected,
-                "peak_uncollected": self.peak_garbage}
+                "peak_uncollected": self.peak_garbage, "saved_in_gc_garbage": saved}
 
 
 def _collections_so_far(get_stats=gc.get_stats) -> list[tuple[int, int]]:
@@ -372,8 +376,12 @@ def _parts(state, on_gc) -> dict:
     parts = {f"the server's state.{name}": getattr(state, name, None) for name in _STATE_PARTS}
     parts.update({f"the server's cache.{name}": value for name, value in vars(state.cache).items()})
     parts["the server's gc hook's code"] = on_gc.__code__
-    parts.update({f"the server's gc hook's {name}": cell.cell_contents
-                  for name, cell in zip(on_gc.__code__.co_freevars, on_gc.__closure__ or ())})
+    for name, cell in zip(on_gc.__code__.co_freevars, on_gc.__closure__ or ()):
+        value = parts[f"the server's gc hook's {name}"] = cell.cell_contents
+        if isinstance(value, types.FunctionType):          # the record: what it sends to, its queue, its lock
+            parts["the server's record's code"] = value.__code__
+            parts.update({f"the server's record's {inner}": inner_cell.cell_contents
+                          for inner, inner_cell in zip(value.__code__.co_freevars, value.__closure__ or ())})
     return parts
 
 
@@ -400,6 +408,7 @@ def _audit(record, state, on_gc, guard, full_cpu, token, before, parts):
                             f"{data['found']}")
         if guard is not None:
             problems += guard.problems()
+        problems += _explanations_lost(state, data)
         data.update({
             "idle_calls": list(state.idle_calls), "errors": list(state.errors[:20]),
             "idle_call_count": state.idle_call_count, "idle_call_times": list(state.idle_call_times),
@@ -420,8 +429,26 @@ def _audit(record, state, on_gc, guard, full_cpu, token, before, parts):
             del state.freed_times[:]
             state.idle_call_count = 0
             state.peak_garbage = 0
+            state.alive_at_reset = len(state._refs)
         return data
     return report
+
+
+def _explanations_lost(state, data) -> list[str]:
+    """Each request makes one explanation, which is then alive or freed: what the server's count of them lost
+    (a set emptied in place), said as a problem.  Its weak references and its set must agree, and alive plus
+    freed must account for the requests the record has (within a margin: a request that failed made none)."""
+    if state.attribution != "objects":
+        return []
+    problems, alive = [], len(state._refs)
+    if alive != len(state.explanations):
+        problems.append(f"the server's state.explanations lists {len(state.explanations)} explanations, but "
+                        f"{alive} are alive")
+    made = len(data["requests"])
+    accounted = alive + len(state.freed_times) - getattr(state, "alive_at_reset", 0)
+    if accounted < made - max(10, made // 20):
+        problems.append(f"the server's count of explanations lost {made - accounted} of the {made} its requests made")
+    return problems
 
 
 def _page_faults() -> int:
@@ -562,6 +589,11 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     import starlette.responses  # noqa: F401  (loaded before the guard takes its manifest)
     import starlette.routing  # noqa: F401
     before, parts = _snapshot(), _parts(state, on_gc)
+    # what the policy prints goes to the log (stderr), shown when the server fails: the requester's pipe
+    # carries the ready line alone, which a print of the policy's would otherwise come before
+    ready_fd = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
     guard = _install_guard(policy, workdir)
     report = _audit(record, state, on_gc, guard, full_cpu, token, before, parts)
     gc.callbacks.append(on_gc)
@@ -588,7 +620,7 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     async def main():
         watcher = asyncio.ensure_future(watch_idle(state, idle_after, parent, garbage))
         report(reset=True)
-        print(f"{READY} {sock.getsockname()[1]} {trace_sock.getsockname()[1]}", flush=True)
+        os.write(ready_fd, f"{READY} {sock.getsockname()[1]} {trace_sock.getsockname()[1]}\n".encode())
         await server.serve(sockets=[sock])
         watcher.cancel()
     asyncio.run(main())

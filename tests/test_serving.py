@@ -707,3 +707,54 @@ def test_objects_frozen_while_serving_are_counted():
         gc.unfreeze()
     assert run.frozen >= 10 * 50 * 2 and "frozen while serving" in run.summary()
     assert serve_inline(_cycles, list(range(10))).frozen == 0
+
+
+def test_what_a_policy_prints_goes_to_the_servers_log_not_before_its_ready_line(tmp_path):
+    policy = _policy(tmp_path, "print('my policy loaded')\ndef on_startup():\n    print('starting')\n"
+                               "def after_request(in_flight):\n    print('served', in_flight)\n")
+    with ModelServer(heap_objects=1000, cache_size=10, policy=policy) as server:
+        load = run_load(server.url, rate=100, duration=0.3)
+        assert not server.trace().tampered
+    assert load.failed == 0 and len(load.status) == 30
+
+
+def test_explanations_the_collector_keeps_in_gc_garbage_are_uncollected_not_freed(tmp_path):
+    """gc.DEBUG_SAVEALL: what a collection finds goes to gc.garbage, never freed; its weak references were
+    cleared first, so the explanations left the server's set as if freed."""
+    policy = _policy(tmp_path, "import gc\ndef on_startup():\n    gc.set_debug(gc.DEBUG_SAVEALL)\n"
+                               "def on_idle(idle_seconds):\n    gc.collect()\n")
+    with ModelServer(heap_objects=1000, cache_size=10, policy=policy, idle_after=0.005) as server:
+        run_load(server.url, rate=100, duration=0.5)
+        time.sleep(0.2)
+        trace = server.trace()
+    assert trace.garbage["saved_in_gc_garbage"] == 50 - 10 and trace.garbage["uncollected"] >= 50 - 10, trace.garbage
+    report = _report(uncollected=40, peak=40)
+    report.policy.trace.garbage.update(left_after_full_collection=40, saved_in_gc_garbage=40)
+    assert "kept in gc.garbage: with gc.DEBUG_SAVEALL set" in report.explain(), report.explain()
+
+
+# reaches the server's state the way a policy can: uvicorn's signal handler, its app's closure
+FIND_THE_STATE = ("import signal\n_state = []\n"
+                  "def _find():\n"
+                  "    app = signal.getsignal(signal.SIGTERM).__self__.config.loaded_app\n"
+                  "    while getattr(app, '__closure__', None) is None:\n        app = app.app\n"
+                  "    _state.append(dict(zip(app.__code__.co_freevars, (c.cell_contents for c in app.__closure__)))['state'])\n")
+
+
+def test_a_policy_that_empties_the_servers_explanations_in_place_is_caught(tmp_path):
+    trace = _tampered_by(tmp_path, FIND_THE_STATE + "def after_request(in_flight):\n"
+                                                    "    if not _state:\n        _find()\n"
+                                                    "    _state[0].explanations.clear()\n")
+    assert any("state.explanations lists 0 explanations, but" in t for t in trace.tampered), trace.tampered
+
+
+def test_a_policy_that_rewires_what_the_record_sends_to_is_caught(tmp_path):
+    """The gc hook's record is a function too: its closure (what it sends to, its queue) is the record's."""
+    trace = _tampered_by(tmp_path, "import gc\n"
+                                   "def on_startup():\n"
+                                   "    hook = next(h for h in gc.callbacks if 'send' in getattr(getattr(h, '__code__', None), 'co_freevars', ()))\n"
+                                   "    record = dict(zip(hook.__code__.co_freevars, hook.__closure__))['send'].cell_contents\n"
+                                   "    cells = dict(zip(record.__code__.co_freevars, record.__closure__))\n"
+                                   "    real = cells['send'].cell_contents\n"
+                                   "    cells['send'].cell_contents = lambda message: real(message)\n")
+    assert any("the server's record's send was replaced" in t for t in trace.tampered), trace.tampered
