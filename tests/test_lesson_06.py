@@ -68,24 +68,6 @@ WRONG = {
         "def on_idle(idle_seconds):\n    gc.collect()\n"),
     "unhooks_the_recording": _policy(
         "def before_request(in_flight):\n    gc.callbacks.clear()\n"),
-    # the server runs as `python -m gclab.serving`: its module is sys.modules["__main__"]
-    "rewrites_the_servers_garbage_count": _policy(
-        "import sys\n"
-        "def on_startup():\n"
-        "    server = sys.modules['__main__']\n"
-        "    server.ServerState.garbage = lambda self: {'explanations_alive': 0, 'cached': 0,\n"
-        "                                               'uncollected': 0, 'peak_uncollected': 0}\n"
-        "    gc.disable()\n"),
-    # the server's gc hook keeps its clocks in its closure: clocks that stand still record every
-    # collection at 0 s of CPU
-    "cheat_stops_the_hooks_clocks": _policy(
-        "def on_startup():\n"
-        "    for hook in list(gc.callbacks):\n"
-        "        code = getattr(hook, '__code__', None)\n"
-        "        if code is not None and 'send' in code.co_freevars:\n"
-        "            for name, cell in zip(code.co_freevars, hook.__closure__):\n"
-        "                if name in ('perf_counter', 'thread_time'):\n"
-        "                    cell.cell_contents = float\n"),
     # the server's state, reached through uvicorn's signal handler: its set of live explanations
     # swapped for one that never counts them, with the collector off for good
     "cheat_blinds_the_servers_garbage_count": _policy(
@@ -141,7 +123,7 @@ KNOWN_GAPS = {
         "    gc.set_threshold(young, middle, 10**9)\n"
         "def on_idle(idle_seconds):\n    if idle_seconds > 0.02:\n        gc.collect()\n"),
 }
-CONTENDED = {"contended_solution": REFERENCE, "contended_collector_off": WRONG["collector_off_for_good"],
+CONTENDED = {"contended_solution": REFERENCE,
              "contended_freezes_without_raising_threshold":
                  WRONG["freezes_and_collects_when_idle_without_raising_threshold"]}
 
@@ -216,21 +198,16 @@ def test_wrong_policies_are_told_what_failed(graded):
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
     assert "numpy.lib._function_base_impl._quantile_unchecked was replaced" in message("cheat_zeroes_numpys_p99")
+    # refused before it runs (the grader reads the policy's source), or caught by the server; the server's other
+    # instruments, rebound by a policy, are tests/test_serving.py's (a short load each)
+    unhooks = message("unhooks_the_recording")
+    assert "modifies the grader's tools" in unhooks or (
+        "tampered" in unhooks and "gc.callbacks hook was removed" in unhooks), unhooks
     # caught at the busier load on a quiet machine; on a busy one (the rest of the suite beside it) the first
     # load may already leave the server too few idle moments, and catches it there
     busier = message("freezes_and_collects_when_idle_without_raising_threshold")
     assert "full (generation 2) collection(s) ran while requests were in flight" in busier, busier
     assert "at a busier load" not in busier or "raise the third threshold" in busier, busier
-    # refused before it runs (the grader reads the policy's source), or caught by the server
-    unhooks = message("unhooks_the_recording")
-    assert "modifies the grader's tools" in unhooks or (
-        "tampered" in unhooks and "gc.callbacks hook was removed" in unhooks), unhooks
-
-
-def test_a_policy_that_rewrites_the_servers_garbage_count_is_caught(graded):
-    message = _message(graded["rewrites_the_servers_garbage_count"])
-    assert "tampered" in message and "ServerState.garbage was replaced" in message, message
-    assert "over the bound" in message, "the server's own count still sees the garbage"
 
 
 def test_freezing_while_serving_is_told_its_garbage_is_never_freed(graded):
@@ -239,7 +216,6 @@ def test_freezing_while_serving_is_told_its_garbage_is_never_freed(graded):
 
 
 @pytest.mark.parametrize("name, replaced", [
-    ("cheat_stops_the_hooks_clocks", "the server's gc hook's thread_time was replaced"),
     ("cheat_blinds_the_servers_garbage_count", "the server's state.explanations was replaced"),
 ])
 def test_a_policy_that_rebinds_the_servers_instruments_is_caught(graded, name, replaced):
@@ -248,10 +224,10 @@ def test_a_policy_that_rebinds_the_servers_instruments_is_caught(graded, name, r
 
 
 def test_contended_verdicts_do_not_move(graded):
-    """Two CPU-bound processes beside the grading: the solution still passes, a wrong policy still fails."""
-    solution, wrong = graded["contended_solution"], graded["contended_collector_off"]
+    """Two CPU-bound processes beside the grading: the solution still passes, a borderline wrong policy still
+    fails.  (A policy that fails on a count, garbage over its bound, fails whatever the machine: not graded again.)"""
+    solution = graded["contended_solution"]
     assert solution.score == 6, grading.format_results([solution])
-    assert wrong.score == 0 and "over the bound" in _message(wrong), grading.format_results([wrong])
     # on a busy machine the server is idle less often at 250 requests per second too: the first load may catch it
     busier = graded["contended_freezes_without_raising_threshold"]
     assert busier.score == 0 and "full (generation 2) collection(s) ran while requests were in flight" in (

@@ -144,11 +144,7 @@ WRONG = {
          "        self.inputs = self.on_ready(x)",
          "        x = _POOL.submit(DATA_X[self.step % N_BATCHES].clone).result()\n"
          "        self.inputs = _POOL.submit(self.on_ready, x).result()")]),
-    # the explanations' cycles broken by dropping what the audit page reads: a share's link back to its explanation
-    "drops_the_shares_link_back": program(EVERY_FIX, [
-        ("        self.explanation, self.feature, self.value = explanation, feature, value",
-         "        self.feature, self.value = feature, value")]),
-    # ... or by keeping a weak reference where the explanation was
+    # the explanations' cycles broken by keeping only a weak reference where a share linked back to its explanation
     "links_back_with_a_bare_weakref": program(EVERY_FIX, [
         ("        self.explanation, self.feature, self.value = explanation, feature, value",
          "        self.explanation, self.feature, self.value = weakref.ref(explanation), feature, value")]),
@@ -224,7 +220,6 @@ TOLD_WHY = {
     "collects_every_200_requests_while_the_collector_is_on": ("test_serving", "the program itself started"),
     "cheat_snapshots_made_in_a_worker_thread": ("test_job", "tensors the meter never saw made"),
     "cheat_ballast_inflates_the_pause_budget": ("test_serving", "the program itself started"),
-    "drops_the_shares_link_back": ("test_serving", "reading share.explanation raised AttributeError"),
     "links_back_with_a_bare_weakref": ("test_serving", "share.explanation must be the explanation the share belongs to"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),

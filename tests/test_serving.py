@@ -758,3 +758,17 @@ def test_a_policy_that_rewires_what_the_record_sends_to_is_caught(tmp_path):
                                    "    real = cells['send'].cell_contents\n"
                                    "    cells['send'].cell_contents = lambda message: real(message)\n")
     assert any("the server's record's send was replaced" in t for t in trace.tampered), trace.tampered
+
+
+def test_a_policy_that_stops_the_hooks_clocks_is_caught(tmp_path):
+    """The gc hook keeps its clocks in its closure: clocks that stand still would record every collection at 0 s."""
+    trace = _tampered_by(tmp_path, "import gc\n"
+                                   "def on_startup():\n"
+                                   "    for hook in list(gc.callbacks):\n"
+                                   "        code = getattr(hook, '__code__', None)\n"
+                                   "        if code is not None and 'send' in code.co_freevars:\n"
+                                   "            for name, cell in zip(code.co_freevars, hook.__closure__):\n"
+                                   "                if name in ('perf_counter', 'thread_time'):\n"
+                                   "                    cell.cell_contents = float\n")
+    assert any("the server's gc hook's thread_time was replaced" in t for t in trace.tampered), trace.tampered
+
