@@ -561,7 +561,9 @@ def assert_graphs_do_not_grow(step, holder, holder_name: str, iterations: int = 
     """Call `step(i)` for `warmup` values of i from `start`, then for `iterations` more; every autograd graph
     that `holder` keeps must be no bigger after those than before them.  A graph that each step extends (a
     running total of losses) keeps a few hundred bytes of nodes per step on the heap after backward() freed
-    what it saved: the tensor meter sees nothing, the node count does."""
+    what it saved: the tensor meter sees nothing, the node count does.  Nor may the graphs alive anywhere
+    else in the process grow (`GraphCensus`: a total kept in a global or on the holder's class), unless the
+    holder itself now keeps new ones, new tensors the memory check names."""
     def run(steps):
         for i in steps:
             try:

@@ -343,10 +343,13 @@ class GraphCensus:
     running total kept in a global, on a class, anywhere) grows here, though no walk from a holder reaches
     it, and says where: the tensor whose graph grew most since a census taken earlier (`most_grown`)."""
 
-    def __init__(self, _audit=sys.audit, _event=WATCH_EVENT):
+    def __init__(self, limit: int = 1_000_000, _audit=sys.audit, _event=WATCH_EVENT):
+        """`limit`: nodes walked at most, all graphs together (many tensors of one big graph walk it each)."""
         _audit(_event)
         every, self._graphs = {}, {}              # id of a tensor -> (its graph's size, a weak reference)
         for tensor in _tensor_holders():
+            if limit <= 0:
+                break
             if type(tensor) is Unfrozen or isinstance(tensor, torch._C.StorageBase):
                 continue
             try:
@@ -355,7 +358,8 @@ class GraphCensus:
                 continue
             if grad_fn is None:
                 continue
-            nodes = _graph_nodes(grad_fn)
+            nodes = _graph_nodes(grad_fn, limit)
+            limit -= len(nodes)
             every.update(nodes)
             self._graphs[id(tensor)] = (len(nodes), weakref.ref(tensor))
         self.nodes = len(every)
