@@ -1,12 +1,13 @@
-"""On a CUDA GPU: why do lessons 05, 07 and 08 fail their own flat check there (not on the CPU)?
+"""On a CUDA GPU: does the allocation census see the step's CUDA allocations, and does the flat
+check pass a step that replaces what it keeps?
 
-Found by `gclab gpu-check` on an H100 (2026-11-26): in the unwatched part of `run_flat_check`, the
-solutions' steps were said to keep tensors "beyond those they replaced" (lesson 07: exactly one
-model, 2 MiB + 4 KiB). The unwatched part subtracts the tensors a step replaced only where the
-allocation census (torch's profiler) saw them made; on CUDA it seems not to have.  This probe
-prints, for a step that replaces what it keeps (an LRU of two 1 MiB tensors), on each device:
-whether the census saw the step's allocations, whether the places it recorded match the
-storages' own (device, data_ptr), and the flat check's verdict.  One call, about 20 s:
+Found by `gclab gpu-check` on an H100 (torch 2.11, 2026-11-26): torch's profiler, tracing the CPU
+only, reports no CUDA allocation at all, so lessons 05, 07 and 08 failed their own flat check there
+(what a step replaced was not subtracted).  The census now reads CUDA's side from the caching
+allocator's own history (`gclab.memory._CudaHistory`).  This probe prints, for a step that replaces
+what it keeps (an LRU of two 1 MiB tensors), on each device: what the census held at each mark,
+whether the places it recorded match the storages' own (device, data_ptr), and the flat check's
+verdict.  One call, about 20 s:
 
     python autograder/gpu_census_probe.py
 """

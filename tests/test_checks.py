@@ -1167,3 +1167,13 @@ def test_the_guard_refuses_the_notebooks_code_what_a_sealed_call_relies_on(tmp_p
     assert "refused while grading: setting _count.__code__" in outcomes["setting its code"], outcomes
     assert "refused while grading: setting _count.__defaults__" in outcomes["setting its defaults"], outcomes
     assert found["counted"] == [7] and found["recorded"] == 1
+
+
+def test_on_cuda_the_heap_is_compared_over_the_second_half_of_the_watched_iterations():
+    """The CUDA driver loads a kernel's code into the process's heap the first time it runs (tens of
+    MiB): memory a step's first calls take that is not the step's.  What it keeps still shows after."""
+    from gclab.checks import FlatReport, _heap_read_from
+    assert _heap_read_from(torch.device("cpu"), 12) == 0 and _heap_read_from(torch.device("cuda", 0), 12) == 6
+    report = FlatReport(device=torch.device("cuda", 0), iterations=12, collector_on=0, unwatched=0,
+                        growth=[0] * 12, heap_watched=6 * 1024 * 1024, heap_watched_over=6)
+    assert not report.ok and "grew by 6.00 MiB over the last 6 of them (about 1.00 MiB per iteration)" in report.explain()

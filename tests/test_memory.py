@@ -818,6 +818,9 @@ def test_process_memory_sees_a_tensor_over_memory_mapped_by_hand():
     if process_memory() is None:
         pytest.skip("the C library cannot report its heap (not glibc 2.33 or later)")
     MiB = 1024 * 1024
+    # once unmeasured: a first fill may start torch's thread pool, whose threads take heap (221 KiB on
+    # the 16 cores of a GPU machine)
+    torch.frombuffer(mmap.mmap(-1, MiB), dtype=torch.uint8).fill_(1)
     for flags in (mmap.MAP_SHARED, mmap.MAP_PRIVATE):
         before = process_memory()
         unseen = torch.frombuffer(mmap.mmap(-1, MiB, flags=flags), dtype=torch.uint8)
@@ -939,3 +942,106 @@ def test_census_keeps_the_profilers_notes_off_stderr(capfd):
         census.mark()
     assert census.held() == [0]
     assert capfd.readouterr().err == ""
+
+
+# -- the CUDA side of the census: the caching allocator's history, as `_snapshot()` lists it --------
+MARKS_STREAM = 0x7F00
+
+
+def _mark():
+    return [{"action": "alloc", "addr": 0xB000, "size": 512, "stream": MARKS_STREAM},
+            {"action": "free_requested", "addr": 0xB000, "size": 512, "stream": MARKS_STREAM},
+            {"action": "free_completed", "addr": 0xB000, "size": 512, "stream": MARKS_STREAM}]
+
+
+def _history(*actions):
+    """Snapshot trace entries: the census's start, then `actions` ("mark", or (action, addr, size))."""
+    entries = _mark()
+    for action in actions:
+        if action == "mark":
+            entries += _mark()
+        else:
+            kind, addr, size = action
+            entries.append({"action": kind, "addr": addr, "size": size, "stream": 0})
+    return entries
+
+
+def test_cuda_history_counts_what_is_kept_between_marks_and_not_the_marks_own_blocks():
+    from gclab.memory import _history_events, _replay
+    entries = _history("mark", ("alloc", 0x1000, 2 << 20), ("alloc", 0x2000, 512), ("free_requested", 0x2000, 512),
+                       ("free_completed", 0x2000, 512), "mark", ("segment_alloc", 0x9000, 20 << 20), "mark")
+    alive = {}
+    assert _replay(_history_events(entries, "cuda:0"), alive) == [0, 2 << 20, 2 << 20]
+    assert alive == {("cuda:0", 0x1000): 2 << 20}
+
+
+def test_cuda_history_counts_the_release_of_what_an_earlier_census_carried_only():
+    from gclab.memory import _history_events, _replay
+    entries = _history("mark", ("free_requested", 0x1000, 4096), ("free_requested", 0x5000, 4096), "mark")
+    alive = {("cuda:0", 0x1000): 4096}
+    assert _replay(_history_events(entries, "cuda:0"), alive) == [0, -4096]
+    assert alive == {}
+
+
+def test_cuda_history_may_begin_with_the_segment_mapped_for_the_census_start():
+    """The first block on a stream the allocator has no memory for yet comes from a new segment: the
+    history lists the segment first (seen on an H100, torch 2.11)."""
+    from gclab.memory import _history_events, _replay
+    segment = {"action": "segment_alloc", "addr": 0xB000, "size": 2 << 20, "stream": MARKS_STREAM}
+    entries = [segment] + _history("mark", ("alloc", 0x1000, 4096), "mark")
+    assert _replay(_history_events(entries, "cuda:0", MARKS_STREAM), {}) == [0, 4096]
+
+
+def test_cuda_history_that_does_not_begin_with_the_census_start_has_no_count():
+    """Restarted by the code it watched (turning it off clears it), or wrapped round: no count."""
+    from gclab.memory import _history_events
+    assert _history_events([], "cuda:0") is None
+    assert _history_events(_history("mark")[1:], "cuda:0") is None
+    restarted = [{"action": "alloc", "addr": 0x1000, "size": 4096, "stream": 0}] + _history("mark")
+    assert _history_events(restarted, "cuda:0", MARKS_STREAM) is None
+
+
+def test_census_on_a_cpu_only_machine_reads_no_cuda_history():
+    from gclab.memory import AllocationCensus
+    with AllocationCensus() as census:
+        census.mark()
+    assert (census._cuda is None) == (not torch.cuda.is_initialized())
+
+
+class _FakeCudaHistory:
+    """Stands in for `_CudaHistory` on a machine without CUDA: each mark, what its `held` says."""
+    name, error = "cuda:0", None
+
+    def __init__(self, held, error=None):
+        self.held, self.error, self.marks = held, error, 0
+
+    def start(self):
+        pass
+
+    def mark(self):
+        self.marks += 1
+
+    def stop(self, alive):
+        alive[self.name, 0x1000] = self.held[-1]
+        return [] if self.error else self.held[:self.marks]
+
+
+def test_census_adds_the_cuda_history_to_what_the_profiler_counted(monkeypatch):
+    import gclab.memory as memory
+    monkeypatch.setattr(memory._CudaHistory, "for_this_process", classmethod(lambda cls: _FakeCudaHistory([0, 512])))
+    with memory.AllocationCensus() as census:
+        census.mark()
+        kept = torch.zeros(1024)
+        census.mark()
+    assert census.held() == [0, 4096 + 512] and ("cuda:0", 0x1000) in census.alive
+    del kept
+
+
+def test_census_has_no_count_when_the_cuda_history_was_stopped(monkeypatch):
+    import gclab.memory as memory
+    fake = _FakeCudaHistory([0, 512], error="the code that ran stopped CUDA's memory history that counts allocations")
+    monkeypatch.setattr(memory._CudaHistory, "for_this_process", classmethod(lambda cls: fake))
+    with memory.AllocationCensus() as census:
+        census.mark()
+        census.mark()
+    assert census.held() is None and "stopped CUDA's memory history" in census.error
