@@ -110,14 +110,18 @@ def _children(obj, names: bool):
     fields = _WRAPPED_FIELDS.get(type(obj))
     if fields:
         return [(f".{field}", getattr(obj, field)) for field in fields]
-    found = []
-    if isinstance(obj, torch.Tensor):
-        found.append((".grad", obj.grad))
-    attributes = instance_attributes(obj)
-    found += [(f".{k}", v) for k, v in attributes.items() if k not in ("__dict__", "__weakref__")]
+    found, own_dict = [], None
+    try:                        # by name; a class may make its __dict__ a property that raises
+        if isinstance(obj, torch.Tensor):
+            found.append((".grad", obj.grad))
+        attributes = instance_attributes(obj)
+        found += [(f".{k}", v) for k, v in attributes.items() if k not in ("__dict__", "__weakref__")]
+        own_dict = id(vars(obj)) if attributes and getattr(type(obj), "__dictoffset__", 0) else None
+    except Exception:
+        pass
     # and whatever else it keeps where no attribute shows it (a functools.partial's arguments, a
-    # generator's frame, an object of a C type): the references the collector itself follows
-    own_dict = id(vars(obj)) if attributes and getattr(type(obj), "__dictoffset__", 0) else None
+    # generator's frame, an object of a C type, attributes that could not be read by name): the
+    # references the collector itself follows
     return found + [(" (a referent)", v) for v in gc.get_referents(obj) if id(v) != own_dict]
 
 

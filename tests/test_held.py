@@ -134,3 +134,18 @@ def test_what_a_wrapper_keeps_in_no_attribute_is_held():
     assert tensors_held(functools.partial(print, torch.ones(10)), "p") == [
         "p (a referent)[0], a float32[10] tensor (40 B of storage)"]
     assert tensors_held(generator, "g") == ["g (a referent), a float32[50] tensor (200 B of storage)"]
+
+
+def test_an_object_whose_dict_cannot_be_read_by_name_is_still_walked():
+    """A class may make `__dict__` a property that raises: what its objects keep is found all the same."""
+    from gclab.held import tensors_held
+
+    class Hidden:
+        @property
+        def __dict__(self):
+            raise RuntimeError("not telling")
+
+    hidden = Hidden()
+    object.__setattr__(hidden, "kept", torch.ones(25))
+    held = tensors_held([hidden], "cache")
+    assert len(held) == 1 and "float32[25] tensor (100 B of storage)" in held[0], held
