@@ -33,7 +33,7 @@ def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration"
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.5))
-    mib = [p.allocated / MiB for p in meter.timeline]
+    mib = [_held_mib(meter, p.allocated) for p in meter.timeline]
     ax.plot(range(len(mib)), mib, color="tab:blue", lw=1.5, label="live tensor memory")
     if meter.budget:
         kind = "simulated budget" if meter.simulated else "device budget"
@@ -59,6 +59,12 @@ def plot_timeline(meter, collections=(), ax=None, title=None, xlabel="iteration"
     ax.set_title(title or f"Tensor memory on {meter.device}")
     ax.legend(loc="upper left", fontsize="small")
     return ax
+
+
+def _held_mib(meter, allocated: int) -> float:
+    """MiB held above the meter's start: on CUDA `allocated` is the whole device's count (the data and
+    models of earlier cells too), while a budget is counted from the meter's start, as on the CPU."""
+    return (allocated - meter.baseline) / MiB
 
 
 def held_after_collections(meter, collections):
@@ -105,10 +111,10 @@ def plot_ratchet(meter, collections=(), ax=None, title=None, xlabel="iteration")
     held = held_after_collections(meter, collections)
     for gen in sorted({min(g, 2) for _, _, g in held}):
         xs = [x for x, _, g in held if min(g, 2) == gen]
-        ys = [b / MiB for _, b, g in held if min(g, 2) == gen]
+        ys = [_held_mib(meter, b) for _, b, g in held if min(g, 2) == gen]
         below.plot(xs, ys, "o", ms=3 if gen == 0 else 6, color=GENERATION_COLOURS[gen],
                    label=f"after a gen {gen} collection", zorder=3 if gen else 2)
-    older = [(x, b / MiB) for x, b, g in held if g >= 1]
+    older = [(x, _held_mib(meter, b)) for x, b, g in held if g >= 1]
     if older:
         xs, ys = zip(*older)
         last = len(meter.timeline) - 1
@@ -116,7 +122,7 @@ def plot_ratchet(meter, collections=(), ax=None, title=None, xlabel="iteration")
                    label="floor left by gen 1+ collections")
     below.set_xlabel(xlabel)
     below.set_ylabel("MiB held\nafter a collection")
-    top = max([y for _, y in older] + [b / MiB for _, b, _ in held] + [1e-3])
+    top = max([y for _, y in older] + [_held_mib(meter, b) for _, b, _ in held] + [1e-3])
     below.set_ylim(-0.05 * top, 1.15 * top)
     if held:
         below.legend(loc="upper left", fontsize="x-small", ncol=3)
@@ -133,7 +139,7 @@ def plot_floors(runs, ax=None, title="Memory held just after each generation-1 o
         _, ax = plt.subplots(figsize=(9, 3.2))
     full_drawn = False
     for label, (meter, collections) in runs.items():
-        older = [(x, b / MiB, g) for x, b, g in held_after_collections(meter, collections) if g >= 1]
+        older = [(x, _held_mib(meter, b), g) for x, b, g in held_after_collections(meter, collections) if g >= 1]
         last = max(len(meter.timeline) - 1, 0)
         xs = [0.0] + [x for x, _, _ in older] + [last]
         ys = [0.0] + [y for _, y, _ in older]

@@ -157,3 +157,16 @@ def test_the_out_of_memory_cross_sits_at_the_budget():
     ax = plot_timeline(meter)
     cross = next(line for line in ax.get_lines() if line.get_label() == "out of memory")
     assert list(cross.get_ydata()) == [1.0]
+
+
+def test_timeline_draws_memory_held_above_the_meters_start_as_its_budget_counts():
+    """On CUDA a meter reads the whole device (the data and models of earlier cells too), from its
+    `baseline`; the budget counts from the meter's start: the line must too, or it would cross the
+    budget long before memory ran out."""
+    import types
+    from gclab.memory import MeterPoint
+    points = [MeterPoint(f"step {i}", float(i), 10 * MiB + i * MiB) for i in range(3)]
+    meter = types.SimpleNamespace(timeline=points, baseline=10 * MiB, budget=2 * MiB, simulated=False, started=0.0,
+                                  device=torch.device("cuda", 0))
+    ax = plot_timeline(meter)
+    assert list(ax.get_lines()[0].get_ydata()) == [0.0, 1.0, 2.0]
