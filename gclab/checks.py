@@ -188,9 +188,9 @@ class FlatReport:
         if not self._allocated_unseen:
             return []
         if self.census_error is not None:
-            return [f"{self.census_error}: the check counts what torch allocates with its profiler, and cannot "
-                    "judge the code without it. Run the check with no profiler running, and do not start or "
-                    "stop one inside the step."]
+            return [f"{self.census_error}: the check counts what torch allocates with its profiler (on CUDA, with "
+                    "the allocator's memory history), and cannot judge the code without it. Run the check with "
+                    "neither running, and do not start or stop one inside the step."]
         kept = self.allocated_watched[-1]
         return [f"the meter saw memory come back after each of {len(self.growth)} iterations, yet torch's "
                 f"allocator handed out {format_bytes(max(self.allocated_watched))} meanwhile that was still held "

@@ -887,7 +887,8 @@ class _CudaHistory:
         except Exception as exc:
             self.error = f"CUDA's memory history could not start ({exc})"
             self._stream = None
-            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+            with contextlib.suppress(Exception):
+                torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
 
     def _record(self) -> None:
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
