@@ -1045,3 +1045,99 @@ def test_census_has_no_count_when_the_cuda_history_was_stopped(monkeypatch):
         census.mark()
         census.mark()
     assert census.held() is None and "stopped CUDA's memory history" in census.error
+
+
+class FakeAllocatorHistory:
+    """A stand-in for the CUDA caching allocator's history, as torch 2.11 keeps it on an H100: turning
+    it off clears it; the first block on a stream comes from a new segment, listed first."""
+
+    def __init__(self):
+        self.enabled, self.entries, self.segments = False, [], set()
+        self.next_addr, self.next_stream, self.live = 0x10000, 0x7000, {}
+
+    def install(self, monkeypatch):
+        import gclab.memory as memory
+        fake = self
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: fake.enabled, raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record, raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: {"device_traces": [list(fake.entries)]})
+        monkeypatch.setattr(torch.cuda, "Stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "caching_allocator_alloc",
+                            lambda size, device=None, stream=None: fake.alloc(size, stream.cuda_stream))
+        monkeypatch.setattr(torch.cuda, "caching_allocator_delete", self.free)
+        monkeypatch.setattr(memory, "_MARK_STREAMS", {})
+        monkeypatch.setattr(memory, "_HISTORY_WITH_ROOM", set())
+        return self
+
+    def record(self, enabled="all", **_):
+        self.enabled = enabled is not None
+        if not self.enabled:
+            self.entries.clear()
+
+    def stream(self, device=None):
+        import types
+        self.next_stream += 0x100
+        return types.SimpleNamespace(cuda_stream=self.next_stream)
+
+    def _trace(self, action, addr, size, stream):
+        if self.enabled:
+            self.entries.append({"action": action, "addr": addr, "size": size, "stream": stream})
+
+    def alloc(self, size, stream=0):
+        if stream not in self.segments:
+            self.segments.add(stream)
+            self._trace("segment_alloc", self.next_addr, 2 << 20, stream)
+        self.next_addr += 0x1000
+        self.live[self.next_addr] = (max(512, size), stream)
+        self._trace("alloc", self.next_addr, max(512, size), stream)
+        return self.next_addr
+
+    def free(self, addr):
+        size, stream = self.live.pop(addr)
+        self._trace("free_requested", addr, size, stream)
+        self._trace("free_completed", addr, size, stream)
+
+    def empty_cache(self):
+        self.segments.clear()
+
+
+def test_census_counts_cuda_blocks_kept_between_marks_through_the_allocators_history(monkeypatch):
+    from gclab.memory import AllocationCensus
+    gpu = FakeAllocatorHistory().install(monkeypatch)
+    for _ in range(3):                     # the first census gives the history room; later ones reuse its stream
+        with AllocationCensus() as census:
+            census.mark()
+            kept = gpu.alloc(4096)
+            gpu.free(gpu.alloc(8192))
+            census.mark()
+        assert census.error is None and census.held() == [0, 4096], census.error
+        assert ("cuda:0", kept) in census.alive and not gpu.enabled
+    gpu.empty_cache()                      # the marks' segment given back: the next start maps a new one first
+    with AllocationCensus(census.alive) as again:
+        again.mark()
+        gpu.free(kept)                     # what the earlier census counted, released: it counts
+        again.mark()
+    assert again.held() == [4096, 0], again.error
+
+
+def test_census_has_no_count_when_the_code_restarts_cudas_history(monkeypatch):
+    from gclab.memory import AllocationCensus
+    gpu = FakeAllocatorHistory().install(monkeypatch)
+    with AllocationCensus() as census:
+        census.mark()
+        gpu.record(None), gpu.record("all")          # the history cleared, with what it had counted
+        gpu.alloc(4096)
+        census.mark()
+    assert census.held() is None and "restarted" in census.error
+
+
+def test_census_does_not_take_over_a_cuda_history_already_recording(monkeypatch):
+    from gclab.memory import AllocationCensus
+    gpu = FakeAllocatorHistory().install(monkeypatch)
+    gpu.record("all")
+    with AllocationCensus() as census:
+        census.mark()
+    assert census.held() is None and "already being recorded" in census.error and gpu.enabled
