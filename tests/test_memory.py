@@ -1141,3 +1141,13 @@ def test_census_does_not_take_over_a_cuda_history_already_recording(monkeypatch)
     with AllocationCensus() as census:
         census.mark()
     assert census.held() is None and "already being recorded" in census.error and gpu.enabled
+
+
+def test_flat_check_runs_with_the_cuda_history_beside_the_profiler(monkeypatch):
+    """With CUDA's history on too (a stand-in here), a check of CPU steps judges as without it."""
+    from gclab import checks
+    FakeAllocatorHistory().install(monkeypatch)
+    kept = []
+    assert checks.run_flat_check(lambda i: torch.ones(256).sum().item(), iterations=6, device="cpu").ok
+    leaking = checks.run_flat_check(lambda i: kept.append(torch.ones(256)), iterations=6, device="cpu")
+    assert not leaking.ok and leaking.growth[-1] == 6 * 1024
