@@ -482,6 +482,22 @@ def test_a_server_never_idle_under_load_makes_a_garbage_failure_inconclusive(mon
         assert_policy(report)
 
 
+def test_a_policy_that_let_the_servers_few_idle_moments_pass_is_not_excused_by_a_busy_machine(monkeypatch):
+    """Collecting only once the load is over: a busy machine left the server idle twice while it ran, and the
+    policy collected at neither: it failed on its own (seen in CI: told the machine was too busy).  One that
+    did collect at them may blame the machine."""
+    import gclab.serving
+    from gclab.checks import run_policy_check
+    late = dict(peak=90, freed=[200.0], idle=[10.5, 20.5], collections=())
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(**late), _run(), _run(**late)]))
+    report = run_policy_check("policy.py")
+    assert report.verdict == "fail" and not report.inconclusive
+    assert "collecting only once the load is over, is not a fix" in report.explain()
+    took_them = dict(peak=90, freed=[20.6], idle=[10.5, 20.5])
+    monkeypatch.setattr(gclab.serving, "measure", _fake_measure([_run(**took_them), _run(), _run(**took_them)]))
+    assert run_policy_check("policy.py").verdict == "inconclusive"
+
+
 def test_a_policy_with_no_hook_between_requests_is_not_excused_by_a_server_never_idle(monkeypatch, tmp_path):
     """Idle moments are a policy's chance only if it acts between requests (on_idle, after_request): without
     such a hook its failure is its own, however busy the machine (seen in CI: thresholds raised alone was
