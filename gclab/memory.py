@@ -874,8 +874,9 @@ class _CudaHistory:
             self.error = "CUDA's memory history was already being recorded, so allocations could not be counted"
             return
         try:
-            self._stream = _MARK_STREAMS.get(self.name) or _MARK_STREAMS.setdefault(self.name,
-                                                                                     torch.cuda.Stream(self.device))
+            if self.name not in _MARK_STREAMS:
+                _MARK_STREAMS[self.name] = torch.cuda.Stream(self.device)
+            self._stream = _MARK_STREAMS[self.name]
             if self.name not in _HISTORY_WITH_ROOM:
                 self._record()
                 for _ in range(self.ROOM // 3):  # three entries each: alloc, free_requested, free_completed

@@ -1008,45 +1008,6 @@ def test_census_on_a_cpu_only_machine_reads_no_cuda_history():
     assert (census._cuda is None) == (not torch.cuda.is_initialized())
 
 
-class _FakeCudaHistory:
-    """Stands in for `_CudaHistory` on a machine without CUDA: each mark, what its `held` says."""
-    name, error = "cuda:0", None
-
-    def __init__(self, held, error=None):
-        self.held, self.error, self.marks = held, error, 0
-
-    def start(self):
-        pass
-
-    def mark(self):
-        self.marks += 1
-
-    def stop(self, alive):
-        alive[self.name, 0x1000] = self.held[-1]
-        return [] if self.error else self.held[:self.marks]
-
-
-def test_census_adds_the_cuda_history_to_what_the_profiler_counted(monkeypatch):
-    import gclab.memory as memory
-    monkeypatch.setattr(memory._CudaHistory, "for_this_process", classmethod(lambda cls: _FakeCudaHistory([0, 512])))
-    with memory.AllocationCensus() as census:
-        census.mark()
-        kept = torch.zeros(1024)
-        census.mark()
-    assert census.held() == [0, 4096 + 512] and ("cuda:0", 0x1000) in census.alive
-    del kept
-
-
-def test_census_has_no_count_when_the_cuda_history_was_stopped(monkeypatch):
-    import gclab.memory as memory
-    fake = _FakeCudaHistory([0, 512], error="the code that ran stopped CUDA's memory history that counts allocations")
-    monkeypatch.setattr(memory._CudaHistory, "for_this_process", classmethod(lambda cls: fake))
-    with memory.AllocationCensus() as census:
-        census.mark()
-        census.mark()
-    assert census.held() is None and "stopped CUDA's memory history" in census.error
-
-
 class FakeAllocatorHistory:
     """A stand-in for the CUDA caching allocator's history, as torch 2.11 keeps it on an H100: turning
     it off clears it; the first block on a stream comes from a new segment, listed first."""
@@ -1151,3 +1112,24 @@ def test_flat_check_runs_with_the_cuda_history_beside_the_profiler(monkeypatch):
     assert checks.run_flat_check(lambda i: torch.ones(256).sum().item(), iterations=6, device="cpu").ok
     leaking = checks.run_flat_check(lambda i: kept.append(torch.ones(256)), iterations=6, device="cpu")
     assert not leaking.ok and leaking.growth[-1] == 6 * 1024
+
+
+def test_census_adds_the_cuda_history_to_what_the_profiler_counted(monkeypatch):
+    from gclab.memory import AllocationCensus
+    gpu = FakeAllocatorHistory().install(monkeypatch)
+    with AllocationCensus() as census:
+        census.mark()
+        kept, block = torch.zeros(1024), gpu.alloc(1)          # 4 KiB on the CPU, a 512-byte block on the GPU
+        census.mark()
+    assert census.held() == [0, 4096 + 512] and ("cuda:0", block) in census.alive
+    del kept
+
+
+def test_census_has_no_count_when_the_cuda_history_was_stopped(monkeypatch):
+    from gclab.memory import AllocationCensus
+    gpu = FakeAllocatorHistory().install(monkeypatch)
+    with AllocationCensus() as census:
+        census.mark()
+        gpu.record(None)                                       # the code turns CUDA's history off
+        census.mark()
+    assert census.held() is None and "stopped CUDA's memory history" in census.error
