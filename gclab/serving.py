@@ -21,7 +21,10 @@ own (`ModelServer.trace()`).
 The load generator runs in a process of its own with the collector off, so its own
 pauses cannot be charged to the server.  It is open-loop: request i leaves at its
 scheduled time whatever happened to the earlier ones, and its latency is measured from
-that scheduled time, so a request that waited behind a pause is charged for the wait.
+that scheduled time, so a request that waited behind a pause is charged for the wait.  It may
+send its schedule in bursts (`run_load(burst=..., lull=...)`): each burst leaves a lull after
+the last answer to the one before, so the server is idle between bursts however slow the
+machine, and open-loop within a burst.
 
 A GC policy is a Python file the server loads; it may define any of
 
@@ -639,10 +642,14 @@ def schedule(rate: float, count: int, poisson: bool = False, seed: int = 0) -> l
     return times
 
 
-async def _send_all(host, port, times, timeout):
+async def _send_all(host, port, times, timeout, burst=0, lull=0.0):
+    """Send request i at times[i] after the start, open-loop.  With `burst`, the schedule is cut
+    into bursts of that many requests, and each burst starts `lull` seconds after every answer to
+    the one before it has arrived (its requests keep their spacing, shifted by the wait)."""
     idle: list = []
     t0 = time.perf_counter() + 0.05
-    rows = [[t0 + at, None, None, 0] for at in times]      # scheduled, sent, done, status
+    deadline = t0 + timeout
+    rows = [[None, None, None, 0] for _ in times]      # scheduled, sent, done, status
 
     async def one(i):
         row = rows[i]
@@ -657,19 +664,33 @@ async def _send_all(host, port, times, timeout):
         row[2], row[3] = time.perf_counter(), int(head.split(b" ", 2)[1])
         idle.append((reader, writer))
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(times))]
-    await asyncio.wait(tasks, timeout=timeout)
+    size = burst or len(times)
+    start, tasks = t0, []
+    for first in range(0, len(times), size):
+        group = range(first, min(first + size, len(times)))
+        for i in group:
+            rows[i][0] = start + times[i] - times[first]
+        sent = [asyncio.ensure_future(one(i)) for i in group]
+        tasks += sent
+        done, pending = await asyncio.wait(sent, timeout=max(0.0, deadline - time.perf_counter()))
+        if pending:
+            break
+        start = time.perf_counter() + lull
     for task in tasks:
         task.cancel()
     for _, writer in idle:
         writer.close()
+    for row in rows:
+        if row[0] is None:                  # never sent: its burst did not start before the deadline
+            row[0] = deadline
     return rows
 
 
-def load_main(url: str, rate: float, count: int, poisson: bool, seed: int, timeout: float) -> None:
+def load_main(url: str, rate: float, count: int, poisson: bool, seed: int, timeout: float,
+              burst: int = 0, lull: float = 0.0) -> None:
     gc.disable()                            # the client's own pauses must not be charged to the server
     host, port = url.split("//")[1].split(":")
-    rows = asyncio.run(_send_all(host, int(port), schedule(rate, count, poisson, seed), timeout))
+    rows = asyncio.run(_send_all(host, int(port), schedule(rate, count, poisson, seed), timeout, burst, lull))
     print(json.dumps(rows))
 
 
@@ -1041,13 +1062,16 @@ class ModelServer:
 
 
 def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool = True, seed: int = 0,
-             timeout: float | None = None) -> LoadResult:
+             timeout: float | None = None, burst: int = 0, lull: float = 0.0) -> LoadResult:
     """Send rate × duration requests on an open-loop schedule (in a process of its own) and wait
-    for their answers; requests still unanswered `timeout` seconds after the start count as failed."""
+    for their answers; requests still unanswered `timeout` seconds after the start count as failed.
+    `burst`: send them in bursts of that many, each `lull` seconds after the last answer to the one
+    before: however slow the machine, the server is then idle that long between bursts."""
     count = max(1, int(rate * duration))
-    timeout = timeout or duration + 5
+    lulls = (count - 1) // burst if burst else 0
+    timeout = timeout or duration + 5 + lulls * lull
     argv = ["load", url, "--rate", str(rate), "--count", str(count), "--seed", str(seed),
-            "--timeout", str(timeout)] + (["--poisson"] if poisson else [])
+            "--timeout", str(timeout), "--burst", str(burst), "--lull", str(lull)] + (["--poisson"] if poisson else [])
     with tempfile.TemporaryFile(mode="w+") as errors:
         proc = _spawn(argv, errors)
         out: list[str] = []                 # its rows, printed as it exits
@@ -1087,11 +1111,11 @@ class ServedRun:
 
 
 def measure(name: str, rate: float = 250.0, duration: float = 3.5, settle: float = 0.5, seed: int = 0,
-            **server_options) -> ServedRun:
+            burst: int = 0, lull: float = 0.0, **server_options) -> ServedRun:
     """Start a server with `server_options` (see ModelServer), send it the open-loop load, wait
     `settle` idle seconds (time for the policy's on_idle), read its trace, stop it."""
     with ModelServer(**server_options) as server:
-        load = run_load(server.url, rate=rate, duration=duration, seed=seed)
+        load = run_load(server.url, rate=rate, duration=duration, seed=seed, burst=burst, lull=lull)
         time.sleep(settle)
         return ServedRun(name, load, server.trace(final=True))
 
@@ -1336,12 +1360,14 @@ def main(argv=None) -> int:
     c.add_argument("--poisson", action="store_true")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--timeout", type=float, default=60)
+    c.add_argument("--burst", type=int, default=0)
+    c.add_argument("--lull", type=float, default=0.0)
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after,
               args.device_ms, args.workdir)
     else:
-        load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout)
+        load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout, args.burst, args.lull)
     return 0
 
 

@@ -77,6 +77,30 @@ def test_every_request_is_answered_and_recorded(served):
     assert all(d >= s for s, d in zip(load.sent, load.done))
 
 
+def test_a_load_in_bursts_waits_for_each_bursts_answers_and_then_its_lull():
+    with ModelServer(heap_objects=20_000, attribution="objects", cache_size=50) as server:
+        load = run_load(server.url, rate=200, duration=0.5, burst=25, lull=0.03)
+        trace = server.trace()
+    assert len(load.status) == 100 and load.failed == 0
+    steady = schedule(200, 100, poisson=True)
+    for first in (25, 50, 75):
+        last_answer = max(load.done[first - 25:first])
+        assert load.scheduled[first] >= last_answer + 0.03, "a burst starts a lull after the last answer before it"
+        spacing = [b - a for a, b in zip(load.scheduled[first:first + 25], load.scheduled[first + 1:first + 25])]
+        assert spacing == pytest.approx([b - a for a, b in zip(steady[first:first + 25], steady[first + 1:first + 25])])
+    assert trace.idle_moments() >= 3, "the server is idle in each lull"
+
+
+def test_the_graded_load_is_cut_into_bursts(monkeypatch):
+    import gclab.serving
+    from gclab import checks
+    seen = []
+    monkeypatch.setattr(gclab.serving, "measure", lambda name, **options: seen.append(options) or _run())
+    checks.run_policy_check("policy.py")
+    assert seen[0]["burst"] == checks.LOAD_BURST and seen[0]["lull"] == checks.LOAD_LULL
+    assert 875 // checks.LOAD_BURST == 7 and 875 % checks.LOAD_BURST == 0
+
+
 def test_latency_is_measured_from_the_scheduled_send_time(served):
     _, load, _ = served
     assert all(sent >= scheduled - 1e-3 for scheduled, sent in zip(load.scheduled, load.sent))
