@@ -60,9 +60,9 @@ WRONG = {
         "def on_startup():\n    gc.freeze()\n    young, middle, _ = gc.get_threshold()\n"
         "    gc.set_threshold(young, middle, 10**9)\n"
         "def on_idle(idle_seconds):\n    if gc.get_count()[2] > 0:\n        gc.collect()\n        gc.freeze()\n"),
-    # frozen and collected whenever idle, but the third threshold left as it is: at 250 requests per second the
-    # server is idle often enough that it collects before the collector starts a full collection by itself; at the
-    # busier load, never idle, the collector does, in a request
+    # frozen and collected whenever idle, but the third threshold left as it is: the lulls between the load's
+    # bursts let it collect before the collector starts a full collection by itself; at the busier load, never
+    # idle, the collector does, in a request
     "freezes_and_collects_when_idle_without_raising_threshold": _policy(
         "def on_startup():\n    gc.freeze()\n"
         "def on_idle(idle_seconds):\n    gc.collect()\n"),
@@ -115,9 +115,9 @@ CORRECT = {
 }
 # Wrong, and still given full marks: a known gap in the grading (see the test below).
 KNOWN_GAPS = {
-    # waits for 20 ms of idle time before it collects: at 250 requests per second the load's few long gaps give
-    # it enough; at 350, where no gap in the load is long enough, it collects nothing while serving (1,125
-    # responses' worth of garbage against a bound of 796, measured)
+    # waits for 20 ms of idle time before it collects: the 50 ms lulls between the load's bursts give it enough;
+    # at 350 requests per second with no lull, where no gap in the load is long enough, it collects nothing while
+    # serving (1,125 responses' worth of garbage against a bound of 796, measured)
     "collects_only_after_20ms_idle": _policy(
         "def on_startup():\n    gc.freeze()\n    young, middle, _ = gc.get_threshold()\n"
         "    gc.set_threshold(young, middle, 10**9)\n"
@@ -228,7 +228,7 @@ def test_contended_verdicts_do_not_move(graded):
     fails.  (A policy that fails on a count, garbage over its bound, fails whatever the machine: not graded again.)"""
     solution = graded["contended_solution"]
     assert solution.score == 6, grading.format_results([solution])
-    # on a busy machine the server is idle less often at 250 requests per second too: the first load may catch it
+    # on a busy machine the server is idle less often within the load's bursts too: the first load may catch it
     busier = graded["contended_freezes_without_raising_threshold"]
     assert busier.score == 0 and "full (generation 2) collection(s) ran while requests were in flight" in (
         _message(busier)), grading.format_results([busier])
