@@ -400,9 +400,9 @@ def _run(name="your policy", collections=IDLE_FULL_COLLECTION, uncollected=0, pe
     return ServedRun(name, load, trace)
 
 
-def _report(**run):
+def _report(acts_when_idle=True, **run):
     from gclab.checks import PolicyReport
-    return PolicyReport({"your policy": _run(**run)})
+    return PolicyReport({"your policy": _run(**run)}, acts_when_idle=acts_when_idle)
 
 
 def test_a_policy_with_short_collections_and_collected_garbage_passes():
@@ -443,6 +443,9 @@ def test_a_policy_that_runs_no_full_collection_while_serving_has_only_postponed_
     assert not raised.ok and not raised.checks["full collections while serving"]
     assert "No full (generation 2) collection ran while the load was served" in raised.explain()
     assert raised.failed_by_facts() == [], "a machine too busy to leave idle moments can cause it: measured again"
+    no_idle_hook = _report(collections=raised.policy.trace.collections, peak=30, freed=[1.0], acts_when_idle=False)
+    assert no_idle_hook.failed_by_facts() == ["full collections while serving"], (
+        "with no hook between requests only the thresholds start one, and they count allocations, not time")
     after_the_load = _report(collections=[_served(2, 150.0, 0.01, 0.001)], freed=[150.0])
     assert not after_the_load.checks["full collections while serving"]
 
