@@ -260,6 +260,12 @@ class _CpuStorageTracker(TorchDispatchMode):
         if kind is None:
             kind = self._kinds[func] = _op_kind(func)
         if kind is _ALLOCATES:
+            if type(out) is torch.Tensor and out.layout is torch.strided and out.is_cpu:
+                storage = out.untyped_storage()          # the common case, inlined: one new tensor
+                ref = self._weak.get(storage._cdata)
+                if ref is None or _expired(ref):
+                    self._admit_one(storage, func)
+                return out
             new = self._new_storages(out)
             if new:
                 self._admit(new, func)
@@ -307,6 +313,20 @@ class _CpuStorageTracker(TorchDispatchMode):
         self._counted += nbytes
         if self._counted > self.peak:
             self.peak = self._counted
+
+    def _admit_one(self, storage, func):
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self._weak:
+            self._sweep()                 # a freed storage's address was reused
+        counted = self._counted + nbytes
+        if counted > self.peak or (self.budget is not None and counted > self.budget):
+            self._admit({key: storage}, func)
+            return
+        self._weak[key] = storage._weak_ref()
+        if _ballast:
+            _ballast.pop()
+        self._size[key] = nbytes
+        self._counted = counted
 
     @staticmethod
     def _over_budget(what: str) -> torch.OutOfMemoryError:
