@@ -57,6 +57,8 @@ POLICIES = {
     "collect when idle, no freeze": (
         "import gc\ndef on_startup():\n    gc.set_threshold(700, 10, 10**9)\n"
         "def on_idle(idle_seconds):\n    if gc.get_count()[2] > 0:\n        gc.collect()\n", "fail"),
+    "collector statistics left on": (
+        REFERENCE.replace("def on_startup():\n", "def on_startup():\n    gc.set_debug(gc.DEBUG_STATS)\n"), "fail"),
     "unhooks the recording": ("import gc\ndef before_request(in_flight):\n    gc.callbacks.clear()\n", "fail"),
     "rewrites the server's garbage count": (
         "import gc, sys\n"

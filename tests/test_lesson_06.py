@@ -66,6 +66,13 @@ WRONG = {
     "freezes_and_collects_when_idle_without_raising_threshold": _policy(
         "def on_startup():\n    gc.freeze()\n"
         "def on_idle(idle_seconds):\n    gc.collect()\n"),
+    # the reference policy with the collector's statistics left on: every young collection then counts the
+    # objects of every generation, the frozen heap included (24 ms each, measured), and a request waits behind
+    # twenty of them
+    "debug_stats_left_on": _policy(
+        "def on_startup():\n    gc.set_debug(gc.DEBUG_STATS)\n    gc.freeze()\n"
+        "    young, middle, _ = gc.get_threshold()\n    gc.set_threshold(young, middle, 10**9)\n"
+        "def on_idle(idle_seconds):\n    if gc.get_count()[2] > 0:\n        gc.collect()\n"),
     "unhooks_the_recording": _policy(
         "def before_request(in_flight):\n    gc.callbacks.clear()\n"),
     # the server's state, reached through uvicorn's signal handler: its set of live explanations
@@ -198,6 +205,7 @@ def test_wrong_policies_are_told_what_failed(graded):
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
     assert "numpy.lib._function_base_impl._quantile_unchecked was replaced" in message("cheat_zeroes_numpys_p99")
+    assert "many in a row" in message("debug_stats_left_on") and "DEBUG_STATS" in message("debug_stats_left_on")
     # refused before it runs (the grader reads the policy's source), or caught by the server; the server's other
     # instruments, rebound by a policy, are tests/test_serving.py's (a short load each)
     unhooks = message("unhooks_the_recording")
