@@ -609,6 +609,15 @@ def test_a_collection_inside_a_request_is_charged_to_it_in_cpu_time():
     assert run.collections[0].cpu == pytest.approx(charged[2])
 
 
+def test_a_request_is_charged_with_all_the_collections_inside_it_added_up():
+    def handle(request):
+        for _ in range(request):
+            gc.collect(0)
+        return request
+    run = serve_inline(handle, [0, 3])
+    assert run.charges()[1] == pytest.approx(sum(c.cpu for c in run.collections)) and len(run.collections) == 3
+
+
 def test_the_collector_switched_off_leaves_all_the_garbage_and_on_frees_most():
     with gc_disabled():
         off = serve_inline(_cycles, range(100))
