@@ -643,11 +643,14 @@ def schedule(rate: float, count: int, poisson: bool = False, seed: int = 0) -> l
 
 
 async def _send_all(host, port, times, timeout, burst=0, lull=0.0):
-    """Send request i at times[i] after the start, open-loop.  With `burst`, the schedule is cut
-    into bursts of that many requests, and each burst starts `lull` seconds after every answer to
-    the one before it has arrived (its requests keep their spacing, shifted by the wait)."""
+    """Send request i at times[i] after the start, open-loop, and wait for the answers until
+    `timeout` seconds after the start.  With `burst`, the schedule is cut into bursts of that many
+    requests, and each burst starts `lull` seconds after every answer to the one before it has
+    arrived (its requests keep their spacing, shifted by the wait); each burst has as long after
+    its last scheduled request as the whole load would have after its last."""
     idle: list = []
     t0 = time.perf_counter() + 0.05
+    slack = timeout - (times[-1] - times[0] if times else 0.0)
     deadline = t0 + timeout
     rows = [[None, None, None, 0] for _ in times]      # scheduled, sent, done, status
 
@@ -672,6 +675,7 @@ async def _send_all(host, port, times, timeout, burst=0, lull=0.0):
             rows[i][0] = start + times[i] - times[first]
         sent = [asyncio.ensure_future(one(i)) for i in group]
         tasks += sent
+        deadline = rows[group[-1]][0] + slack
         done, pending = await asyncio.wait(sent, timeout=max(0.0, deadline - time.perf_counter()))
         if pending:
             break
@@ -1066,10 +1070,13 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
     """Send rate × duration requests on an open-loop schedule (in a process of its own) and wait
     for their answers; requests still unanswered `timeout` seconds after the start count as failed.
     `burst`: send them in bursts of that many, each `lull` seconds after the last answer to the one
-    before: however slow the machine, the server is then idle that long between bursts."""
+    before: however slow the machine, the server is then idle that long between bursts.  Each
+    burst then has as long after its last request is due (`timeout` - `duration`) as a load
+    without bursts has after its own last, so a slow server is not failed for the lulls' waits."""
     count = max(1, int(rate * duration))
-    lulls = (count - 1) // burst if burst else 0
-    timeout = timeout or duration + 5 + lulls * lull
+    timeout = timeout or duration + 5
+    bursts = -(-count // burst) if burst else 1
+    longest = timeout + (bursts - 1) * (timeout - duration + lull)     # each burst late by its whole slack
     argv = ["load", url, "--rate", str(rate), "--count", str(count), "--seed", str(seed),
             "--timeout", str(timeout), "--burst", str(burst), "--lull", str(lull)] + (["--poisson"] if poisson else [])
     with tempfile.TemporaryFile(mode="w+") as errors:
@@ -1077,7 +1084,7 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
         out: list[str] = []                 # its rows, printed as it exits
         reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)
         reader.start()
-        reader.join(timeout + 30)
+        reader.join(longest + 30)
         _kill(proc)
         reader.join(5)
         proc.stdout.close()

@@ -91,6 +91,16 @@ def test_a_load_in_bursts_waits_for_each_bursts_answers_and_then_its_lull():
     assert trace.idle_moments() >= 3, "the server is idle in each lull"
 
 
+def test_a_slow_server_has_the_whole_slack_after_each_burst(tmp_path):
+    """Bursts wait for their answers, so a server that serves slower than the load comes finishes later than
+    the load's own timeout: each burst has its share of slack, not the whole load's deadline."""
+    policy = _policy(tmp_path, "import time\ndef before_request(in_flight):\n    time.sleep(0.01)\n")
+    with ModelServer(heap_objects=20_000, attribution="objects", cache_size=50, policy=policy) as server:
+        load = run_load(server.url, rate=200, duration=0.5, timeout=0.9, burst=25, lull=0.03)
+    assert load.failed == 0, f"{load.failed} of 100 unanswered"
+    assert max(load.done) - min(load.scheduled) > 0.9, "served slower than the load's own timeout: the test is moot"
+
+
 def test_the_graded_load_is_cut_into_bursts(monkeypatch):
     import gclab.serving
     from gclab import checks
