@@ -875,12 +875,8 @@ class PolicyReport:
         """The budget, in CPU seconds, for the collector time charged to a request (P99)."""
         return self.pause_budget * self.full_collection_cpu
 
-    @property
-    def charges(self):
-        """Per request, the CPU seconds of every collection it waited behind, added up."""
-        return self.policy.trace.charges(self.policy.load)["total"]
-
     def _p99(self, what: str = "total") -> float:
+        """P99 over the requests of one of `Trace.charges`: "total", "longest" or "count"."""
         import numpy as np
         charges = self.policy.trace.charges(self.policy.load)[what]
         return float(np.percentile(charges, 99)) if len(charges) else 0.0
@@ -1117,7 +1113,8 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_ob
     """Serve the load with `policy` (a policy file) and judge it on what the server recorded
     (see PolicyReport).  The load comes in bursts of `burst` requests, each `lull` seconds after
     the last answer to the one before (serving.run_load): the server is idle between bursts
-    however busy the machine, so a policy that collects when idle gets its chances on any machine.  One run decides when the policy passes, or when it fails on a fact a busy
+    however busy the machine, so a policy that collects when idle gets its chances on any
+    machine.  One run decides when the policy passes, or when it fails on a fact a busy
     machine does not cause (`PolicyReport.failed_by_facts`).  Any other failure is measured again,
     after a run with the collector off (ABA): the second run of the policy decides, unless the
     collector-off run shows the machine was too busy to judge, and the report is then
