@@ -1063,10 +1063,9 @@ class PolicyReport:
         return "\n".join(lines)
 
 
-def _busy_machine(report: PolicyReport, baseline, policy_runs, acts_when_idle: bool = True) -> str | None:
-    """Why the runs say the machine was too busy to judge what failed, or None.  `acts_when_idle`:
-    does the policy have a hook that runs between requests (`_acts_when_idle`)?  One that has none
-    lost nothing when the server was never idle."""
+def _busy_machine(report: PolicyReport, baseline, policy_runs) -> str | None:
+    """Why the runs say the machine was too busy to judge what failed, or None.  A policy with no
+    hook between requests (`report.acts_when_idle` false) lost nothing when the server was never idle."""
     load, failing = baseline.load, {name for name, ok in report.checks.items() if not ok}
     if load.failed:
         return (f"with the collector off, the same server left {load.failed} of {len(load.status)} requests "
@@ -1074,7 +1073,7 @@ def _busy_machine(report: PolicyReport, baseline, policy_runs, acts_when_idle: b
     idle = [run.trace.idle_moments() for run in policy_runs]
     # a server idle a few times gave the policy chances: if it took none, the machine is not why it failed
     took_its_chances = max(idle) == 0 or any(_collected_between_requests(run.trace) for run in policy_runs)
-    if (acts_when_idle and failing & {"garbage bounded", "full collections while serving"}
+    if (report.acts_when_idle and failing & {"garbage bounded", "full collections while serving"}
             and max(idle) < MIN_IDLE_MOMENTS and took_its_chances):
         return (f"the server found no request in flight only {max(idle)} time(s) while the load ran with your policy "
                 "(the lulls between the load's bursts give the reference policy 20 or more on a quiet machine of "
@@ -1153,7 +1152,7 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_ob
         report = judged(runs, first_failures=failed)
         if report.ok or report.failed_by_facts():
             return report
-        busy = _busy_machine(report, off_run, [first["your policy"], again], acts_when_idle)
+        busy = _busy_machine(report, off_run, [first["your policy"], again])
         return judged(runs, first_failures=failed, inconclusive_reason=busy) if busy else report
 
 

@@ -263,7 +263,10 @@ class _CpuStorageTracker(TorchDispatchMode):
             if type(out) is torch.Tensor and out.layout is torch.strided and out.is_cpu:
                 storage = out.untyped_storage()          # the common case, inlined: one new tensor
                 ref = self._weak.get(storage._cdata)
-                if ref is None or _expired(ref):
+                if ref is not None and _expired(ref):
+                    self._sweep()                        # a freed storage's address was reused
+                    ref = None
+                if ref is None:
                     self._admit_one(storage, func)
                 return out
             new = self._new_storages(out)
@@ -306,27 +309,25 @@ class _CpuStorageTracker(TorchDispatchMode):
                                     f"with {format_bytes(self._counted)} of the "
                                     f"{format_bytes(self.budget)} budget already held by live tensors")
         for key, storage in new.items():
-            self._weak[key] = storage._weak_ref()
-            if _ballast:
-                _ballast.pop()
-        self._size.update(sizes)
-        self._counted += nbytes
+            self._track(key, storage, sizes[key])
         if self._counted > self.peak:
             self.peak = self._counted
 
     def _admit_one(self, storage, func):
-        key, nbytes = storage._cdata, storage.nbytes()
-        if key in self._weak:
-            self._sweep()                 # a freed storage's address was reused
-        counted = self._counted + nbytes
-        if counted > self.peak or (self.budget is not None and counted > self.budget):
-            self._admit({key: storage}, func)
-            return
+        """`_admit` for one storage not counted yet, without its dicts when no peak or budget is near."""
+        nbytes = storage.nbytes()
+        if self._counted + nbytes > self.peak or (self.budget is not None
+                                                  and self._counted + nbytes > self.budget):
+            self._admit({storage._cdata: storage}, func)
+        else:
+            self._track(storage._cdata, storage, nbytes)
+
+    def _track(self, key, storage, nbytes):
         self._weak[key] = storage._weak_ref()
         if _ballast:
             _ballast.pop()
         self._size[key] = nbytes
-        self._counted = counted
+        self._counted += nbytes
 
     @staticmethod
     def _over_budget(what: str) -> torch.OutOfMemoryError:
