@@ -19,6 +19,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from traitlets.config.loader import PyFileConfigLoader
+    from gclab import _jsonschema  # noqa: F401  (before nbgrader: see there)
     from nbgrader.apps import NbGraderAPI
 
     autograder = args.course / "autograder"

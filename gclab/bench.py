@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 import torch
 from jupyter_client import KernelManager

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
 from . import feedback, gradebook, grading

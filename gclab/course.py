@@ -146,6 +146,7 @@ def with_source(cell_source: str, source: str) -> str:
 
 def write_source_into(notebook: Path, source: str) -> bool:
     """Write the address into each code cell of `notebook` that has the GCLAB_SOURCE line."""
+    from . import _jsonschema  # noqa: F401  (before nbformat: see there)
     import nbformat
     nb = nbformat.read(notebook, 4)
     changed = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
 from .grading import NotebookResult, TestResult, answer_cells

@@ -23,6 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
+from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
 from . import bench, grading

@@ -23,6 +23,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
 from . import review

@@ -2,6 +2,8 @@ import gc
 
 import pytest
 
+import gclab._jsonschema  # noqa: F401  (before any test module imports nbformat: see there)
+
 
 # The modules that take longest (each grades a lesson's submissions, or many small courses, minutes on 2
 # cores), in that order (measured: `pytest --durations=0`, summed per module): collected first, so pytest-xdist
