@@ -52,3 +52,9 @@ def test_running_a_notebook_leaves_no_thread_behind(tmp_path):
     bench.execute_seconds(path)
     bench.execute_seconds(path)
     assert threads() == before
+
+
+def test_the_meters_cost_is_measured_beside_a_dispatch_mode_that_does_nothing():
+    """Three kinds of run (no figure judged here: timing is the bench's, not a unit test's)."""
+    plain, tracked, floor = bench.meter_overhead(steps=2, repeats=1)
+    assert all(seconds > 0 for seconds in (plain, tracked, floor))
