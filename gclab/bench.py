@@ -5,8 +5,8 @@ a lesson executes in under 60 s (or the `execute_budget_s` its notebook's metada
 under "gclab", for a lesson that runs a load test), grading costs under its execution
 time plus 10 s, and the meter slows a forward+backward step by less than 2x.  Beside it the
 bench times a dispatch mode that does nothing: torch's own cost of any such mode, most of the
-meter's (measured: 1.7x of 1.95x).  Generating the assignment is timed apart: it happens once
-per change of the lesson, and grading reuses it.
+meter's (the README has the figures).  Generating the assignment is timed apart: it happens
+once per change of the lesson, and grading reuses it.
 """
 from __future__ import annotations
 
