@@ -26,7 +26,7 @@ from pathlib import Path
 from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
-from . import review
+from . import measured, review
 from .verdict import apply_limits
 
 CONFIG = Path("autograder") / "nbgrader_config.py"
@@ -298,6 +298,8 @@ class TestResult:
     status: str           # passed, failed, error, timeout, tampered
     message: str = ""     # what was wrong, and by how much (never a line of a hidden test)
     output: str = ""      # what the test's visible self-checks printed
+    measured: dict = field(default_factory=dict)   # the grader's own figures of the test (gclab.measured)
+    observed: list = field(default_factory=list, repr=False)   # what the test observed, for the grader alone
 
 
 @dataclass
@@ -313,9 +315,15 @@ class NotebookResult:
     # lines of the answers that read what tells a grading run from the learner's own (gclab.review): for the
     # instructor's class report, never the score or the learner's feedback
     review: list[str] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)    # the grader's figures of the whole run
+    # tests the learner's process said passed and the grader's own figures refuted: for the instructor's review
+    disagreements: list[str] = field(default_factory=list)
 
     def as_dict(self):
-        return asdict(self)
+        data = asdict(self)
+        for test in data["tests"]:
+            test.pop("observed", None)     # what hidden tests saw: the grader's, never handed back
+        return data
 
 
 def _grade_cells(nb):
@@ -337,18 +345,28 @@ def _all_tests(source_nb, status, message) -> list[TestResult]:
 
 
 # -- the verdict: a process the grader starts and reads ---------------------------------
-def without_hidden_tests(source: str) -> str:
-    """A test cell as a learner may see it: its hidden part removed, line by line as
-    nbgrader's ClearHiddenTests does it (so the release is the same either way)."""
-    kept, hidden = [], False
+def _split_hidden(source: str) -> tuple[list[str], list[str]]:
+    """(visible lines, hidden lines) of a test cell, cut at its hidden-test markers as nbgrader's
+    ClearHiddenTests cuts it (so the release is the same either way)."""
+    parts, hidden = ([], []), False
     for line in source.splitlines():
         if "### BEGIN HIDDEN TESTS" in line:
             hidden = True
         elif "### END HIDDEN TESTS" in line:
             hidden = False
-        elif not hidden:
-            kept.append(line)
-    return "\n".join(kept)
+        else:
+            parts[hidden].append(line)
+    return parts
+
+
+def without_hidden_tests(source: str) -> str:
+    """A test cell as a learner may see it: its hidden part removed."""
+    return "\n".join(_split_hidden(source)[0])
+
+
+def hidden_tests(source: str) -> str:
+    """The hidden parts of a test cell: what `without_hidden_tests` removes."""
+    return "\n".join(_split_hidden(source)[1])
 
 
 def _meta(cell) -> dict:
@@ -384,7 +402,7 @@ def top_level_names(source: str) -> set[str]:
     return names
 
 
-def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
+def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=(), notebook: str = "") -> dict:
     """What the verdict process runs: the source's set-up and given cells and its test cells
     (hidden parts included), with the submission's answer cells in their places.
 
@@ -411,7 +429,7 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=()) -> dict:
             tests.append({"id": meta["grade_id"], "source": cell.source, "points": float(meta.get("points", 0))})
         elif meta.get("locked"):
             cells.append({"kind": "given", "id": meta.get("grade_id", "given"), "source": cell.source})
-    return {"token": secrets.token_hex(16), "workdir": str(workdir), "cells": cells, "tests": tests,
+    return {"token": secrets.token_hex(16), "workdir": str(workdir), "notebook": notebook, "cells": cells, "tests": tests,
             "missing_answers": missing, "hidden": [str(h) for h in hidden],
             "copied_answers": {grade_id: len(copies) for grade_id, copies in answers.items() if len(copies) > 1},
             "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names),
@@ -531,13 +549,16 @@ class _Channel:
             self.buffer += chunk
 
 
-def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None, timeout: float = 900) -> dict:
+def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None, timeout: float = 900,
+                whole: list | None = None) -> dict:
     """Run the verdict process (again after a test that timed out or killed it, for the tests
-    left) and return {test id: TestResult}; `timeout` bounds it all."""
+    left) and return {test id: TestResult}; `timeout` bounds it all.  The grader's figures of each
+    process's whole run are appended to `whole`."""
     import time
     results, remaining, end = {}, list(job["tests"]), time.monotonic() + timeout
+    whole = [] if whole is None else whole
     while remaining:
-        outcome = _run_verdict_once({**job, "tests": remaining}, cell_timeout, memory_limit, end, timeout)
+        outcome = _run_verdict_once({**job, "tests": remaining}, cell_timeout, memory_limit, end, timeout, whole)
         results.update(outcome)
         done = [t for t in remaining if t["id"] in outcome]
         if not done:
@@ -546,22 +567,25 @@ def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None, timeout
     return results
 
 
-def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
+def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list) -> dict:
     """One verdict process: a runaway answer cell or test is interrupted (SIGINT, as nbgrader
     does) and the next one runs; one that does not stop is killed with the process."""
     import time
+    import socket
     points = {t["id"]: t["points"] for t in job["tests"]}
-    read_end, write_end = os.pipe()
+    ours, theirs = socket.socketpair()      # lines from the verdict; a byte back once the grader has read
+    read_end = ours.detach()
     try:
-        proc = _start_verdict(job, write_end, memory_limit)
+        proc = _start_verdict(job, theirs.fileno(), memory_limit)
     finally:
-        os.close(write_end)
+        theirs.close()
     channel = _Channel(read_end, job["token"])
+    watch = measured.Watch(proc.pid)      # the verdict process leads a session of its own
     results = {}
 
-    def result(test_id, status, message, output=""):
+    def result(test_id, status, message, output="", figures=None, observed=None):
         results[test_id] = TestResult(test_id, points[test_id] if status == "passed" else 0.0,
-                                      points[test_id], status, message, output)
+                                      points[test_id], status, message, output, figures or {}, observed or [])
     try:
         running, deadline, interrupted = None, time.monotonic() + 120 + cell_timeout, False
         while len(results) < len(job["tests"]):
@@ -579,6 +603,15 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
                 _report_stop(result, job, running, message == "timeout", cell_timeout)
                 break
             event = message.get("event")
+            figures = {}
+            if event == "ready":
+                watch.ready()
+            elif event == "start":
+                watch.start()
+            elif event == "result":
+                figures = watch.result(message.get("test"))
+            if event in ("ready", "start", "result", "done"):
+                _go_on(read_end)     # the verdict waits for this byte: the readings above saw it stopped
             if event in ("answer", "start"):
                 running = (event, message.get("cell") or message.get("test"))
                 deadline, interrupted = time.monotonic() + cell_timeout, False
@@ -587,8 +620,11 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
                 text = _with_demo_names(_with_answer_errors(message), job.get("demo_names", ()))
                 if status == "timeout":
                     text = f"the test ran past the time limit ({cell_timeout:g} s) and was interrupted"
-                result(message["test"], status, text, str(message.get("output", "")))
+                observed = message.get("observations")
+                result(message["test"], status, text, str(message.get("output", "")), figures,
+                       observed if isinstance(observed, list) else [])
                 running = None
+        whole.append(watch.end())
     finally:
         proc.end()
         os.close(read_end)
@@ -596,6 +632,13 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout) -> dict:
         for test_id in results:
             result(test_id, "tampered", "the submission wrote to the grader's result channel", results[test_id].output)
     return results
+
+
+def _go_on(channel: int) -> None:
+    try:
+        os.write(channel, b"\0")
+    except OSError:
+        pass                # the verdict process is gone: its results so far stand as read
 
 
 def _report_stop(result, job, running, timed_out, cell_timeout):
@@ -725,8 +768,11 @@ def grade_one(path, root: Path, student: str = "", timeout: int = 900, memory_li
     assignment, stem = lesson or assignment_of(path, root)
     result = NotebookResult(notebook=str(path), assignment=assignment, student=student, lesson_notebook=stem)
     source_nb = nbformat.read(root / "solutions" / assignment / f"{stem}.ipynb", 4)
-    with tempfile.TemporaryDirectory(prefix="gclab-grade-") as workdir:
-        _grade_submission(root, Path(workdir), source_nb, path, result, timeout, memory_limit,
+    # a folder named as the lesson's own, as a learner's is: nothing in the path tells a grading run apart
+    with tempfile.TemporaryDirectory() as folder:
+        workdir = Path(folder) / assignment
+        workdir.mkdir()
+        _grade_submission(root, workdir, source_nb, path, result, timeout, memory_limit,
                           cell_timeout or _cell_timeout(root))
     return _score(result)
 
@@ -805,12 +851,72 @@ def _cell_timeout(root: Path) -> int:
 
 
 def _judge(root, workdir, source_nb, submitted, result, cell_timeout, memory_limit, timeout) -> None:
-    """Score every test cell from the verdict process's results."""
-    job = verdict_job(source_nb, submitted, workdir, hidden=[root])
-    verdicts = run_verdict(job, cell_timeout=cell_timeout, memory_limit=memory_limit, timeout=timeout)
+    """Score every test cell: the verdict process's results, each "passed" confirmed by the grader's
+    own figures against the reference solution's (gclab.measured)."""
+    conditions = {"cell_timeout": cell_timeout, "memory_limit": memory_limit, "timeout": timeout}
+    reference = reference_figures(root, result.assignment, result.lesson_notebook, source_nb, conditions)
+    job = verdict_job(source_nb, submitted, workdir, hidden=[root], notebook=result.lesson_notebook)
+    whole = []
+    verdicts = run_verdict(job, cell_timeout=cell_timeout, memory_limit=memory_limit, timeout=timeout, whole=whole)
     result.tests = [verdicts.get(t.id, TestResult(t.id, 0.0, t.max_score, "error",
                                                  "not graded: the grading process ended before this test"))
                     for t in _all_tests(source_nb, "", "")]
+    result.measured = whole[0] if len(whole) == 1 else {}
+    _confirm(result, reference)
+    _decide_reason(result, job)
+    _redact(result, source_nb)
+
+
+def reference_figures(root: Path, assignment: str, notebook: str, source_nb, conditions: dict) -> dict:
+    """The reference solution's run of the lesson's tests on this machine (see gclab.measured): kept in
+    autograder/work/cache/ per lesson, source and machine; run in a folder named as the lesson."""
+    def compute():
+        with tempfile.TemporaryDirectory() as folder:
+            workdir = Path(folder) / assignment
+            workdir.mkdir()
+            job = verdict_job(source_nb, source_nb, workdir, hidden=[root], notebook=notebook)
+            whole = []
+            verdicts = run_verdict(job, whole=whole, **conditions)
+        return {"tests": {test_id: {"status": t.status, "message": t.message, "observed": t.observed,
+                                    "measured": t.measured} for test_id, t in verdicts.items()},
+                "run": whole[0] if len(whole) == 1 else {}}
+    cache = root / "autograder" / "work" / "cache" / (
+        f"reference-{assignment}-{_source_key(root, assignment)}-{measured.machine_key(conditions)}.json")
+    try:
+        return measured.reference(cache, compute)
+    except OSError:                   # a course folder that cannot be written: computed, not kept
+        return measured.reference(None, compute)
+
+
+def _confirm(result: NotebookResult, reference: dict) -> None:
+    """A test the learner's process says passed keeps its point only where the grader's figures agree;
+    where they do not, the test fails saying so, and the submission is flagged for review."""
+    for test in result.tests:
+        why = measured.confirm(test.status, test.observed, test.measured, reference["tests"].get(test.id))
+        if why:
+            test.status, test.score, test.message = "failed", 0.0, why
+            result.disagreements.append(f"{test.id}: {why}")
+    why = measured.whole_run_disagrees(result.measured, reference.get("run") or {})
+    if why:
+        for test in result.tests:
+            if test.status == "passed":
+                test.status, test.score, test.message = "failed", 0.0, why
+        result.disagreements.append(f"the whole run: {why}")
+
+
+def _redact(result: NotebookResult, source_nb) -> None:
+    """Nothing of a hidden test in anything handed back: messages, outputs, the notebook's reason."""
+    hidden = [hidden_tests(c.source) for c in _grade_cells(source_nb)]
+    visible = "\n".join(without_hidden_tests(c.source) if c.cell_type == "code" else c.source for c in source_nb.cells)
+    redact = measured.Redactor(hidden, visible)
+    for test in result.tests:
+        test.message, test.output = redact(test.message), redact(test.output)
+    result.reason = redact(result.reason)
+    result.disagreements = [redact(line) for line in result.disagreements]
+
+
+def _decide_reason(result: NotebookResult, job: dict) -> None:
+    """Why the whole notebook scored what it did, where that is not the tests' own doing."""
     tampered = [t.message for t in result.tests if t.status == "tampered"]
     if tampered:
         result.reason = "the submission tampers with grading: " + tampered[0]

@@ -24,6 +24,11 @@ _ATTRIBUTES = {
     ("os", "environ"): "the environment variables",
     ("os", "getenv"): "the environment variables",
     ("os", "getppid"): "which process started it",
+    ("os", "getcwd"): "which folder it runs in",
+    ("Path", "cwd"): "which folder it runs in",
+    ("os", "getpid"): "which process it is",
+    ("sys", "orig_argv"): "how the process was started",
+    ("sys", "flags"): "how the process was started",
     ("gc", "isenabled"): "whether the collector is on (a check switches it off)",
     ("gc", "callbacks"): "whether something watches the collector",
     ("gc", "get_debug"): "the collector's debug flags",
@@ -69,5 +74,7 @@ def _reads(node) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         if "NBGRADER" in node.value:
             return "whether nbgrader runs it"
+        if node.value.startswith("/proc/"):
+            return "what the system says of a process (its command line, its parent)"
         return _DUNDERS.get(node.value)          # getattr(f, "__globals__")
     return None

@@ -27,7 +27,7 @@ import tempfile
 import types
 from json.encoder import encode_basestring_ascii as _quoted     # in C
 
-_write = os.write
+_write, _read = os.write, os.read
 
 
 class _Token:
@@ -59,6 +59,13 @@ def _send(channel: int, token: _Token, **message) -> None:
     data = (_json({"token": token._value, **message}) + "\n").encode()
     while data:
         data = data[_write(channel, data):]
+
+
+def _send_and_wait(channel: int, token: _Token, **message) -> None:
+    """Send, then wait until the grader has taken its own readings of this process (gclab.measured),
+    which it does as the message arrives: a byte back on the channel (a socket) says it has."""
+    _send(channel, token, **message)
+    _read(channel, 1)
 
 
 def _json(value) -> str:
@@ -107,15 +114,24 @@ def _describe(error: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-def _quiet_and_local(workdir: str) -> None:
-    """Settings of a plain run: a working folder of its own, output nowhere."""
+def _quiet_and_local(workdir: str, notebook: str = "") -> None:
+    """Settings of a plain run: a working folder of its own (named as the lesson's), output nowhere,
+    and what a learner's own kernel in JupyterLab sees: its environment variables, its arguments, no
+    variable only the grader sets."""
     os.chdir(workdir)
-    for name in [n for n in os.environ if n.startswith("NBGRADER")]:
+    for name in [n for n in os.environ if n.startswith(("NBGRADER", "GCLAB_GRADE", "PYTHONWARNINGS"))]:
         del os.environ[name]
     tmp = os.path.join(workdir, ".tmp")
     os.makedirs(tmp, exist_ok=True)
-    os.environ.update(HOME=workdir, TMPDIR=tmp, MPLCONFIGDIR=tmp, MPLBACKEND="Agg", PYTHONWARNINGS="ignore",
-                      XDG_CACHE_HOME=os.path.join(tmp, "cache"))
+    home = os.path.dirname(workdir)
+    os.environ.update(HOME=home, TMPDIR=tmp, MPLCONFIGDIR=tmp, XDG_CACHE_HOME=os.path.join(tmp, "cache"),
+                      MPLBACKEND="module://matplotlib_inline.backend_inline", JPY_PARENT_PID=str(os.getppid()),
+                      JPY_SESSION_NAME=os.path.join(workdir, notebook + ".ipynb"), CLICOLOR="1", PAGER="cat",
+                      GIT_PAGER="cat", PYDEVD_IPYTHON_COMPATIBLE_DEBUGGING="1")
+    import uuid
+    connection = os.path.join(home, ".local", "share", "jupyter", "runtime", f"kernel-{uuid.uuid4()}.json")
+    sys.argv = [_ipykernel_launcher(), "-f", connection]
+    sys.orig_argv = [sys.executable, "-m", "ipykernel_launcher", "-f", connection]
     # and tempfile's own choice, which it makes once: the zygote's import of torch._dynamo made it (/tmp)
     tempfile.tempdir = tmp
     # where torch writes on its own, wherever the grader's environment pointed them: torch._dynamo and
@@ -127,6 +143,12 @@ def _quiet_and_local(workdir: str) -> None:
         os.dup2(null, fd)
     os.close(null)
     sys.dont_write_bytecode = True
+
+
+def _ipykernel_launcher() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("ipykernel_launcher")
+    return spec.origin if spec and spec.origin else "ipykernel_launcher.py"
 
 
 def apply_limits(memory_limit) -> None:
@@ -188,7 +210,7 @@ def _load_instruments():
 
 def run(job: dict, channel: int) -> None:
     token = _Token(job.pop("token"))
-    _quiet_and_local(job["workdir"])
+    _quiet_and_local(job["workdir"], job.get("notebook", ""))
     shell_class = _load_instruments()
     from gclab import guard
     shell = shell_class.instance()
@@ -225,7 +247,7 @@ def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:
     test_builtins = dict(vars(builtins))
     relied_on = _builtins_relied_on([c["source"] for c in job["cells"] if c["kind"] != "answer"]
                                     + [t["source"] for t in job["tests"]], namespace)
-    _send(channel, token, event="ready")
+    _send_and_wait(channel, token, event="ready")
     answer_errors = {}
     given = {}
     for cell in job["cells"]:
@@ -243,11 +265,12 @@ def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:
     for name in job.get("answer_names", ()):
         given.pop(name, None)
     tools = [name for name in job.get("tools", ()) if name in given]
-    for test in job["tests"]:
-        _send(channel, token, event="start", test=test["id"])
+    for number, test in enumerate(job["tests"]):
+        _send_and_wait(channel, token, event="start", test=test["id"])
+        _seed(number)
         outcome = _run_test(keeper, test, namespace, given, tools, relied_on, test_builtins)
-        _send(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
-    _send(channel, token, event="done")
+        _send_and_wait(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
+    _send_and_wait(channel, token, event="done")
 
 
 _UNSET = object()
@@ -304,6 +327,8 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
              for hidden, source in _parts(test["source"])]
     at_start = keeper.problems() + _rebound(namespace, given, tools, relied_on) + _torch_modes()
     before = set(at_start)
+    from gclab.checks import observations
+    observations()                  # what the answer cells or an earlier test recorded is not this test's
     printed = _Printed()
     try:
         scope = {**namespace, **given, "__builtins__": test_builtins}
@@ -324,7 +349,18 @@ def _run_test(keeper, test: dict, namespace: dict, given: dict, tools, relied_on
     if problems:
         new = [p for p in problems if p not in before] or problems
         outcome = {"status": "tampered", "message": _cut("; ".join(new[:3]))}
-    return {**outcome, "output": printed.text()}
+    return {**outcome, "output": printed.text(), "observations": observations()}
+
+
+def _seed(number: int) -> None:
+    """The same random numbers for a test in every run: what it observes is compared with what the same
+    test observed running the reference solution (gclab.measured), models with random weights included."""
+    import random
+    import numpy
+    import torch
+    random.seed(number)
+    numpy.random.seed(number)
+    torch.manual_seed(number)
 
 
 def _printed_into(printed, code, scope: dict) -> None:

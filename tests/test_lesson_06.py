@@ -205,7 +205,11 @@ def test_wrong_policies_are_told_what_failed(graded):
     assert "full (generation 2) collection(s) ran while requests" in message("collect_after_every_request")
     assert "full (generation 2) collection(s) ran while requests" in message("cheat_shadows_the_servers_imports")
     assert "numpy.lib._function_base_impl._quantile_unchecked was replaced" in message("cheat_zeroes_numpys_p99")
-    assert "many in a row" in message("debug_stats_left_on") and "DEBUG_STATS" in message("debug_stats_left_on")
+    # pauses over budget, diagnosed as many slow collections in a row (DEBUG_STATS); on a busy machine each of
+    # them can take longer than half the limit, and the diagnosis names long collections instead: both true
+    debug_stats = message("debug_stats_left_on")
+    assert "over budget" in debug_stats and ("DEBUG_STATS" in debug_stats
+                                             or "Requests waited behind collections" in debug_stats), debug_stats
     # refused before it runs (the grader reads the policy's source), or caught by the server; the server's other
     # instruments, rebound by a policy, are tests/test_serving.py's (a short load each)
     unhooks = message("unhooks_the_recording")

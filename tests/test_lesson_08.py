@@ -200,14 +200,19 @@ PARTIAL = {
     "all_but_the_registry": (["batches", "trainer", "errors", "serving"], 8),
 }
 
-# Which test a wrong fix must fail, and words its message must hold.
+# A program that starts full collections inside requests has two faults the serving test names: the
+# collections it started, and the pauses over budget they cause; on a busy machine either check can fire
+# first (the pause budget's figure came 2 % from its bound in CI), so either reason is accepted.
+IN_REQUEST_COLLECTIONS = ("the program itself started", "collector pauses over budget")
+
+# Which test a wrong fix must fail, and words its message must hold (any of a tuple's: see assert_told_why).
 TOLD_WHY = {
     "collects_every_step": ("test_batches", "the collector ran"),
     "empty_cache_every_step": ("test_trainer", "did not return to its baseline"),
     "drops_what_leaks": ("test_registry", "raised KeyError while version 1 was still in use"),
     "collector_off_for_good": ("test_serving", "must stay on"),
     "thresholds_sky_high": ("test_serving", "cyclic garbage unfreed"),
-    "collects_every_50_requests": ("test_serving", "collector pauses over budget"),
+    "collects_every_50_requests": ("test_serving", IN_REQUEST_COLLECTIONS),
     "collects_the_young_generation_every_request": ("test_serving", "must reach the older generations"),
     "cheat_collects_unless_watched": ("test_serving", "full collections, against 0 while watched"),
     "cheat_collects_unless_serve_inline_watches": ("test_serving", "a program must do the same whether or not"),
@@ -217,9 +222,9 @@ TOLD_WHY = {
     "collects_every_200_requests": ("test_job", "serving 600 requests with the automatic collector off"),
     "unlinks_the_callback_after_first_use": ("test_batches", "dropped before ready() was called"),
     "freezes_after_every_request": ("test_serving", "objects while it served (gc.freeze())"),
-    "collects_every_200_requests_while_the_collector_is_on": ("test_serving", "the program itself started"),
+    "collects_every_200_requests_while_the_collector_is_on": ("test_serving", IN_REQUEST_COLLECTIONS),
     "cheat_snapshots_made_in_a_worker_thread": ("test_job", "tensors the meter never saw made"),
-    "cheat_ballast_inflates_the_pause_budget": ("test_serving", "the program itself started"),
+    "cheat_ballast_inflates_the_pause_budget": ("test_serving", IN_REQUEST_COLLECTIONS),
     "links_back_with_a_bare_weakref": ("test_serving", "share.explanation must be the explanation the share belongs to"),
     "cheat_batches_made_in_a_worker_thread": ("test_batches", "another thread"),
     "cheat_batches_kept_over_mmap": ("test_batches", "the process's memory grew"),

@@ -1,0 +1,247 @@
+"""The grader's own measurements, which decide whether a test's "passed" stands.
+
+The process that runs a learner's code can read and rewrite any address of itself, so what it
+reports (a test passed, a meter read 0 B, a check saw no collection) explains a result but never
+decides it.  A test's point stands only when the grader, in its own process, confirms it:
+
+1. **Outputs.**  What the test observed (`gclab.checks.observe`: the values it compared, what a
+   flat check's steps returned) equals what the same test observed running the reference
+   solution, under the same conditions on the same machine.  A "passed" with nothing to compare
+   is not one.
+2. **Work done.**  The process spent on the CPU during the test at least a fifth of the time the
+   reference's spent (`/proc/PID/schedstat`, which waiting for a core does not inflate): a test
+   whose result arrives without its work having run did not run.
+3. **Memory.**  The process's resident memory and its peak over the test (`VmRSS`, `VmHWM` after
+   resetting it at the test's start), and over the whole run, stayed within a margin of the
+   reference's; on a GPU, the driver's figure for the process as well.
+
+`Watch` takes the readings as the verdict process's messages arrive; `reference` runs the
+reference solution once per lesson, source and machine and keeps its figures; `confirm` turns a
+test that passed in the learner's process but not by these figures into a failure that says, in
+words, what the process reported and what the system measured.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+from . import procfs
+
+MiB = 1024 * 1024
+WORK_FRACTION = 0.2          # of the reference's CPU time a test must at least spend ...
+WORK_FLOOR_S = 0.05          # ... where the reference spends at least this much
+# memory a test (or the whole run) may take beyond the reference's: a fixed slack for the allocator's
+# and the interpreter's own noise, plus a share of what the reference itself grew
+TEST_SLACK, RUN_SLACK, SHARE = 24 * MiB, 48 * MiB, 0.25
+
+
+class Watch:
+    """The grader's readings of one verdict process (its session `sid`), taken as its messages arrive:
+    at "ready" (before any learner code runs), at each test's start and result, and at the end.
+
+    The whole run is read from the first test's start: memory the answer cells take once (a library they
+    import) is theirs; whatever the tests drive, inside their windows or between them, is counted."""
+
+    def __init__(self, sid: int):
+        self.sid, self.before_answers, self.first, self.final, self.peak = sid, None, None, None, 0
+        self.window = None
+        self.answers: dict = {}
+
+    def _read(self) -> procfs.Reading:
+        reading = procfs.read(self.sid)
+        if self.first is not None:
+            self.peak = max(self.peak, reading.peak)
+        procfs.reset_peaks(self.sid)
+        return reading
+
+    def ready(self) -> None:
+        self.before_answers = self._read()
+
+    def start(self) -> None:
+        self.window = self._read()
+        if self.first is None:
+            self.first = self.window
+            if self.before_answers is not None:
+                self.answers = _between(self.before_answers, self.first, self.first.peak)
+
+    def result(self, test_id: str) -> dict:
+        if self.window is None:
+            return {}
+        start, end = self.window, self._read()
+        self.window = None
+        return _between(start, end, end.peak)
+
+    def end(self) -> dict:
+        """The whole run of the tests, from the first one's start to now; the answer cells' own
+        figures under "answers"."""
+        if self.first is None:
+            return {}
+        if self.final is None:
+            self.final = self._read()
+        return {**_between(self.first, self.final, self.peak), "answers": self.answers}
+
+
+def _between(start: procfs.Reading, end: procfs.Reading, peak: int) -> dict:
+    figures = {"cpu_s": (end.cpu_ns - start.cpu_ns) / 1e9, "rss_growth": end.rss - start.rss,
+               "peak_growth": max(peak, end.rss) - start.rss, "threads": end.threads, "processes": end.processes}
+    if start.gpu is not None and end.gpu is not None:
+        figures["gpu_growth"] = end.gpu - start.gpu
+    return figures
+
+
+# -- the reference solution's figures, once per lesson, source and machine -----------------------
+def machine_key(conditions: dict) -> str:
+    """What the reference's figures depend on beside the lesson's source: this Python, the grader's
+    own code, the machine's kind, and the grading conditions."""
+    digest = hashlib.sha256(json.dumps(conditions, sort_keys=True).encode())
+    digest.update(f"{sys.version}|{platform.machine()}|{os.cpu_count()}|{os.path.exists('/dev/nvidiactl')}".encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def reference(cache: Path | None, compute) -> dict:
+    """The reference's figures, {"tests": {id: {"status", "observed", "measured"}}, "run": {...}}: read
+    from `cache` where it holds them, else `compute()`d (under a lock, so that graders running side by
+    side compute it once) and kept there when every test passed."""
+    if cache is None:
+        return compute()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return json.loads(cache.read_text())
+        except (OSError, ValueError):
+            pass
+        figures = compute()
+        if not all(t["status"] == "passed" for t in figures["tests"].values()):
+            figures = compute()       # once more: a reference that fails here is the machine's doing
+        if all(t["status"] == "passed" for t in figures["tests"].values()):
+            partial = cache.with_suffix(f".{os.getpid()}.part")
+            partial.write_text(json.dumps(figures))
+            partial.rename(cache)
+        return figures
+
+
+# -- a test's "passed", confirmed ------------------------------------------------------------------
+def confirm(status: str, observed, measured: dict, reference_test: dict | None) -> str | None:
+    """None where the grader's own figures confirm a test the learner's process says `status`
+    "passed"; else why not, in words a learner can read."""
+    if status != "passed":
+        return None
+    if not reference_test or reference_test.get("status") != "passed":
+        return ("the grader could not confirm this test: the reference solution did not pass it on this "
+                "machine (an instructor should look at the grading machine)")
+    expected = reference_test.get("observed") or []
+    different = differing_output(observed or [], expected)
+    if different:
+        return f"your process reported that the test passed, but {different}"
+    ref = reference_test.get("measured") or {}
+    if not measured and ref:
+        return ("your process reported that the test passed, but the grader saw no test run: the result came "
+                "without the test's start")
+    return _figures_disagree(measured, ref, TEST_SLACK, "over the test")
+
+
+def _figures_disagree(measured: dict, ref: dict, slack: int, span: str) -> str | None:
+    cpu, ref_cpu = measured.get("cpu_s", 0.0), ref.get("cpu_s", 0.0)
+    if ref_cpu >= WORK_FLOOR_S and cpu < WORK_FRACTION * ref_cpu:
+        return (f"your process reported that the test passed, but the system measured {cpu:.3f} s on the CPU "
+                f"{span}, where the reference solution spends {ref_cpu:.2f} s: the test's work did not run")
+    for key, what in (("rss_growth", "resident memory"), ("peak_growth", "peak resident memory"),
+                      ("gpu_growth", "GPU memory (the driver's figure)")):
+        if key not in measured or key not in ref:
+            continue
+        allowed = ref[key] + slack + SHARE * max(ref[key], 0)
+        if measured[key] > allowed:
+            return (f"your process reported that the test passed; the system measured {_mib(measured[key])} more "
+                    f"{what} {span}, where the reference solution's grew {_mib(ref[key])} "
+                    f"(allowed: {_mib(allowed)})")
+    return None
+
+
+def whole_run_disagrees(measured: dict, ref: dict) -> str | None:
+    """Why the whole run's figures (from the first test's start to the end) refute the tests' "passed",
+    or None."""
+    if not measured or not ref:
+        return None
+    for key in ("rss_growth", "gpu_growth"):
+        if key in measured and key in ref:
+            allowed = ref[key] + RUN_SLACK + SHARE * max(ref[key], 0)
+            if measured[key] > allowed:
+                return (f"your process reported that its tests passed; the system measured {_mib(measured[key])} "
+                        f"more memory held by your process at the end of grading than when the first test started, "
+                        f"where the reference solution's grew {_mib(ref[key])} (allowed: {_mib(allowed)})")
+    return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def differing_output(observed: list, expected: list) -> str | None:
+    """How the outputs a test observed differ from the reference's, or None where they agree."""
+    if len(observed) != len(expected):
+        return (f"it recorded {len(observed)} outputs where the same test, running the reference solution, "
+                f"recorded {len(expected)}")
+    for (name, got), (ref_name, want) in zip(observed, expected):
+        if name != ref_name:
+            return f"it recorded {name!r} where the reference's run recorded {ref_name!r}"
+        if len(got) != len(want):
+            return f"{name}: {len(got)} values where the reference solution gave {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            if not _same(g, w):
+                return f"{name}: value {i} is {g!r} where the reference solution gave {w!r}"
+    return None
+
+
+def _same(got, want) -> bool:
+    if type(got) in (int, float) and type(want) in (int, float) and type(got) is not bool and type(want) is not bool:
+        return math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
+    return type(got) is type(want) and got == want
+
+
+# -- nothing of a hidden test handed back ----------------------------------------------------------
+PIECE = 40        # characters in a row shared with a hidden test that count as a piece of it
+
+
+class Redactor:
+    """Removes every line of the hidden tests, and every piece of PIECE characters or more of them,
+    from a text: whatever route it took into a message (a learner's code can read the tests' source
+    from its own memory and raise it as its own error)."""
+
+    def __init__(self, hidden_sources, visible_text: str = ""):
+        text = "\n".join(hidden_sources)
+        self.lines = sorted({line.strip() for line in text.splitlines()
+                             if len(line.strip()) > 8 and line.strip() not in visible_text}, key=len, reverse=True)
+        self.pieces = {text[i:i + PIECE] for i in range(max(len(text) - PIECE + 1, 0))
+                       if text[i:i + PIECE] not in visible_text}
+
+    def __call__(self, text: str) -> str:
+        if not text or not (self.lines or self.pieces):
+            return text
+        for line in self.lines:
+            if line in text:
+                text = text.replace(line, "[a line of a hidden test]")
+        covered = [False] * len(text)
+        for i in range(len(text) - PIECE + 1):
+            if text[i:i + PIECE] in self.pieces:
+                covered[i:i + PIECE] = [True] * PIECE
+        if not any(covered):
+            return text
+        out, i = [], 0
+        while i < len(text):
+            if covered[i]:
+                while i < len(text) and covered[i]:
+                    i += 1
+                out.append("[part of a hidden test]")
+            else:
+                out.append(text[i])
+                i += 1
+        return "".join(out)

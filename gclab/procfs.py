@@ -1,0 +1,142 @@
+"""What the operating system says about a process and the processes it started, read from outside.
+
+The grader reads these figures about the process that runs a learner's code; nothing that process
+does to its own memory changes them (it can rewrite any of its own objects, not the kernel's
+accounting of it):
+
+- resident memory, `VmRSS` in `/proc/PID/status`, and its peak `VmHWM`, which writing 5 to
+  `/proc/PID/clear_refs` resets to the current figure (so a peak can be read for a window);
+- time on the CPU, `/proc/PID/schedstat` (nanoseconds the process ran; time spent waiting for a
+  core does not count, so a busy machine does not inflate it), plus what its finished children
+  ran (`cutime`, `cstime` of `/proc/PID/stat`, clock ticks);
+- its threads (`/proc/PID/task`) and the processes of its session (a verdict process starts a
+  session of its own: whatever it starts, a model server included, stays in it unless it leaves);
+- on a machine with an NVIDIA GPU, the driver's figure of each process's device memory (NVML,
+  the `nvidia-ml-py` package), where that package is installed.
+
+What it cannot see: memory a process maps but never touches (not resident), and processes that
+left the session (`setsid`): the grader's verdict counts such a departure against the learner.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+__all__ = ["Reading", "read", "reset_peaks", "session_members"]
+
+_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading of a session's processes, summed over them."""
+    at: float           # time.monotonic() of the reading
+    rss: int            # resident bytes
+    peak: int           # peak resident bytes since the last `reset_peaks` (VmHWM)
+    cpu_ns: int         # nanoseconds on a CPU, finished children included
+    threads: int
+    processes: int
+    gpu: int | None     # device bytes the driver reports for them; None without NVML
+
+    def as_dict(self) -> dict:
+        return {"rss": self.rss, "peak": self.peak, "cpu_ns": self.cpu_ns, "threads": self.threads,
+                "processes": self.processes, "gpu": self.gpu}
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def session_members(sid: int) -> list[int]:
+    """The live processes of session `sid` (zombies left out: they hold no memory)."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        # fields[0] is the state, [3] the session (stat's 3rd and 6th fields)
+        if fields and fields[0] != "Z" and int(fields[3]) == sid:
+            members.append(int(name))
+    return sorted(members)
+
+
+def _status(pid: int) -> dict:
+    found = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "Threads"):
+                    number = int(value.split()[0])
+                    found[key] = number * 1024 if key.startswith("Vm") else number
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _cpu_ns(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            ran = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ran = 0
+    fields = _stat_fields(pid)
+    children = (int(fields[13]) + int(fields[14])) * _TICK_NS if fields else 0     # cutime, cstime
+    return ran + children
+
+
+def read(sid: int) -> Reading:
+    """The figures of session `sid`'s processes, now."""
+    pids = session_members(sid)
+    rss = peak = cpu = threads = 0
+    for pid in pids:
+        status = _status(pid)
+        rss += status.get("VmRSS", 0)
+        peak += max(status.get("VmHWM", 0), status.get("VmRSS", 0))
+        threads += status.get("Threads", 0)
+        cpu += _cpu_ns(pid)
+    return Reading(time.monotonic(), rss, peak, cpu, threads, len(pids), _gpu_bytes(pids))
+
+
+def reset_peaks(sid: int) -> None:
+    """Reset VmHWM of session `sid`'s processes to their current resident memory."""
+    for pid in session_members(sid):
+        try:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+_NVML: list = []
+
+
+def _gpu_bytes(pids) -> int | None:
+    """Device memory NVML reports for `pids` on every GPU; None where NVML is not at hand."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return None
+    if not _NVML:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            _NVML.append(pynvml)
+        except Exception:
+            _NVML.append(None)
+    nvml = _NVML[0]
+    if nvml is None:
+        return None
+    wanted, total = set(pids), 0
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in wanted and proc.usedGpuMemory:
+                    total += proc.usedGpuMemory
+    except Exception:
+        return None
+    return total
