@@ -212,16 +212,18 @@ PIECE = 40        # characters in a row shared with a hidden test that count as 
 
 
 class Redactor:
-    """Removes every line of the hidden tests, and every piece of PIECE characters or more of them,
+    """Removes every line of the hidden tests, and every piece of their code of PIECE characters or more,
     from a text: whatever route it took into a message (a learner's code can read the tests' source
-    from its own memory and raise it as its own error)."""
+    from its own memory and raise it as its own error).  The tests' own messages (their string
+    literals) are written for the learner and are not pieces of code."""
 
     def __init__(self, hidden_sources, visible_text: str = ""):
         text = "\n".join(hidden_sources)
         self.lines = sorted({line.strip() for line in text.splitlines()
                              if len(line.strip()) > 8 and line.strip() not in visible_text}, key=len, reverse=True)
-        self.pieces = {text[i:i + PIECE] for i in range(max(len(text) - PIECE + 1, 0))
-                       if text[i:i + PIECE] not in visible_text}
+        code = "\n".join(_without_strings(source) for source in hidden_sources)
+        self.pieces = {code[i:i + PIECE] for i in range(max(len(code) - PIECE + 1, 0))
+                       if "\0" not in code[i:i + PIECE] and code[i:i + PIECE] not in visible_text}
 
     def __call__(self, text: str) -> str:
         if not text or not (self.lines or self.pieces):
@@ -245,3 +247,27 @@ class Redactor:
                 out.append(text[i])
                 i += 1
         return "".join(out)
+
+
+def _without_strings(source: str) -> str:
+    """`source` with each string literal (f-strings included) replaced by a NUL, where it tokenizes."""
+    import io
+    import tokenize
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return source
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    out, at = [], 0
+    for token in tokens:
+        if token.type != tokenize.STRING:
+            continue
+        begin = starts[token.start[0] - 1] + token.start[1]
+        end = starts[token.end[0] - 1] + token.end[1]
+        out += [source[at:begin], "\0"]
+        at = end
+    out.append(source[at:])
+    return "".join(out)

@@ -1,0 +1,208 @@
+"""Grades the learner's code cannot forge (on lesson 07, the quickest to grade).
+
+The process that runs a learner's code can read and write any address of itself: through numpy, an
+array over any address (`__array_interface__`) reads and rewrites memory with no audit event.  So these
+submissions lie, each in its own way, about what their process did; the grader decides from what it
+measured itself (outputs compared with the reference solution's, what the system reports about the
+process) and each loses the points its code did not earn, with a reason a learner can read."""
+import pytest
+
+from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, write_variants
+from test_lesson_07 import POINTS, RELEASE, reference, strong
+
+from gclab import grading
+
+# An array over any address: what the attacks below read and write memory with.
+ANY_ADDRESS = '''
+import numpy as _np
+class _At:
+    def __init__(self, address, size):
+        self.__array_interface__ = {"data": (address, False), "shape": (size,), "typestr": "|u1", "version": 3}
+def _memory(address, size):
+    return _np.asarray(_At(address, size))
+def _regions(writable=True):
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if fields[1].startswith("rw" if writable else "r") and end - start < 1 << 30:
+                yield start, end
+def _readable(address, size):
+    return any(start <= address and address + size <= end for start, end in _regions(False))
+'''
+
+# The result channel's token read out of memory (the verdict's token object, found by its class's address),
+# then a "passed" written for every test with it, and the channel pointed at /dev/null so that no real result
+# follows.
+FORGES_RESULT_LINES = ANY_ADDRESS + '''
+import os, re, json, struct, sys
+def _instance_of(kind):
+    needle = struct.pack("<Q", id(kind))
+    for start, end in _regions():
+        data = _memory(start, end - start).tobytes()
+        at = data.find(needle)
+        while at != -1:
+            if at >= 8 and at % 8 == 0:
+                value = struct.unpack("<Q", data[at + 8:at + 16])[0]       # its one slot: the token, a str
+                text = _memory(value + 48, 32).tobytes() if _readable(value + 48, 32) else b""
+                if re.fullmatch(rb"[0-9a-f]{32}", text):
+                    return text.decode()
+            at = data.find(needle, at + 1)
+def _token():
+    for module in [m for m in list(sys.modules.values()) if hasattr(m, "_Token")]:
+        found = _instance_of(module._Token)
+        if found:
+            return found
+_t = _token()
+for _fd in range(3, 256):
+    try:
+        _link = os.readlink(f"/proc/self/fd/{_fd}")
+    except OSError:
+        continue
+    if _link.startswith(("socket:", "pipe:")):
+        for _test in ("test_same_model", "test_frees_memory", "test_no_stale_entries", "test_keeps_recent"):
+            for _event in ({"event": "start", "test": _test},
+                           {"event": "result", "test": _test, "status": "passed", "message": "", "output": ""}):
+                try:
+                    os.write(_fd, (json.dumps({"token": _t, **_event}) + "\\n").encode())
+                except OSError:
+                    pass
+        os.dup2(os.open(os.devnull, os.O_RDWR), _fd)
+'''
+
+# No token needed: the channel's file descriptor swapped for one end of a socket pair, and a thread that
+# passes on every message of the verdict's, each result turned into "passed" (its outputs as they were).
+RELAYS_THE_CHANNEL_SAYING_PASSED = '''
+import json, os, socket, threading
+def _relay(channel):
+    real = os.dup(channel)
+    mine, theirs = socket.socketpair()
+    os.dup2(theirs.fileno(), channel)
+    def run():
+        pending = b""
+        while True:
+            data = mine.recv(1 << 20)
+            if not data:
+                return
+            pending += data
+            while b"\\n" in pending:
+                line, pending = pending.split(b"\\n", 1)
+                message = json.loads(line)
+                if message.get("event") == "result":
+                    message.update(status="passed", message="")
+                os.write(real, (json.dumps(message) + "\\n").encode())
+                if message.get("event") in ("ready", "start", "result", "done"):
+                    mine.send(os.read(real, 1))
+    threading.Thread(target=run, daemon=True).start()
+for _fd in range(3, 256):
+    try:
+        if os.readlink(f"/proc/self/fd/{_fd}").startswith("socket:"):
+            _relay(_fd)
+            break
+    except OSError:
+        pass
+'''
+
+# Memory no meter sees: from a cache's 100th call on, a numpy array of 256 KiB, written to (so resident),
+# kept for every call; the self-checks and short tests, which make fewer calls, never meet it.
+HOARDS_WHAT_NO_METER_SEES = reference(
+    first="self._calls = getattr(self, '_calls', 0) + 1\n"
+          "        if self._calls > 100:\n"
+          "            _HOARD.append(_np.ones(64 * 1024, dtype=_np.float32))   # a 'prefetch buffer', never freed"
+) + "\nimport numpy as _np\n_HOARD = []\n"
+
+# Caches right at first that stop: after 1,000 calls, or for names with a "/" (a hub's "org/model")
+STOPS_EVICTING_AFTER_1000_CALLS = reference(strong='''self._calls = getattr(self, "_calls", 0) + 1
+        self._recent[name] = model
+        self._recent.move_to_end(name)
+        while len(self._recent) > self.keep and self._calls <= 1000:
+            self._recent.popitem(last=False)''')
+PINS_NAMES_WITH_A_SLASH = reference(strong='''self._recent[name] = model
+        self._recent.move_to_end(name)
+        if "/" in name:
+            self.__dict__.setdefault("_pinned", []).append(model)     # hub models: kept warm
+        while len(self._recent) > self.keep:
+            self._recent.popitem(last=False)''')
+
+
+def only_when_graded(condition: str) -> str:
+    """The right cache where `condition` says it runs under grading, the lesson's leaky one elsewhere."""
+    return ("import os, sys\n" + f"_GRADED = {condition}\n" + reference()
+            + "\nif not _GRADED:\n" + "\n".join("    " + line for line in strong().splitlines()))
+
+
+FORGED = {
+    "cheat_forges_result_lines": strong() + FORGES_RESULT_LINES,
+    "cheat_relays_the_channel_saying_passed": strong() + RELAYS_THE_CHANNEL_SAYING_PASSED,
+    "cheat_relays_the_channel_hoarding_what_no_meter_sees": HOARDS_WHAT_NO_METER_SEES + RELAYS_THE_CHANNEL_SAYING_PASSED,
+}
+TIME_BOMBS = {
+    "stops_evicting_after_1000_calls": STOPS_EVICTING_AFTER_1000_CALLS,
+    "pins_names_with_a_slash": PINS_NAMES_WITH_A_SLASH,
+}
+# Each condition held while graded before this grader's folder and environment looked like a learner's own.
+ONLY_WHEN_GRADED = {
+    "right_only_in_a_grading_folder": only_when_graded(
+        "'gclab-grade' in os.getcwd() or os.path.basename(os.getcwd()) != '07_weakref_caches'"),
+    "right_only_with_the_graders_environment": only_when_graded(
+        "os.environ.get('MPLBACKEND') == 'Agg' or 'PYTHONWARNINGS' in os.environ or "
+        "not os.environ.get('JPY_PARENT_PID')"),
+    "right_only_with_the_graders_arguments": only_when_graded(
+        "'gclab' in ' '.join(sys.argv) or 'ipykernel' not in sys.argv[0]"),
+}
+# What no grader in the learner's process can hide: the parent process and its command line.
+RIGHT_ONLY_UNDER_THE_GRADERS_PARENT = only_when_graded(
+    "'gclab' in open(f'/proc/{os.getppid()}/cmdline').read()")
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("forged")
+    variants = {**FORGED, **TIME_BOMBS, **ONLY_WHEN_GRADED, "right": reference(),
+                "right_only_under_the_graders_parent": RIGHT_ONLY_UNDER_THE_GRADERS_PARENT}
+    return grade_all(write_variants(RELEASE, variants, folder), folder)
+
+
+def test_the_right_cache_earns_full_marks_beside_the_forgeries(graded):
+    assert_full_marks(graded["right"], POINTS)
+
+
+@pytest.mark.parametrize("name", sorted(FORGED))
+def test_a_process_that_lies_about_its_results_earns_nothing(graded, name):
+    result = graded[name]
+    assert result.max_score == POINTS and result.score == 0, grading.format_results([result])
+    assert all(t.status == "failed" for t in result.tests), grading.format_results([result])
+    assert result.disagreements, "a submission whose process said passed where the grader measured otherwise is flagged"
+
+
+def test_forged_lines_are_refuted_by_outputs_the_test_never_produced(graded):
+    result = graded["cheat_forges_result_lines"]
+    assert all(t.message.startswith("your process reported that the test passed, but") for t in result.tests), (
+        grading.format_results([result]))
+
+
+def test_memory_no_meter_sees_is_measured_by_the_system(graded):
+    """The hoard passes every check in the process (no meter counts numpy's memory, and the relay says
+    passed where one did not); the system's figure of the process's resident memory over the long run of
+    requests refutes it."""
+    failed = cell_result(graded["cheat_relays_the_channel_hoarding_what_no_meter_sees"], "test_frees_memory")
+    assert "the system measured" in failed.message and "resident memory" in failed.message, failed.message
+
+
+@pytest.mark.parametrize("name", sorted(TIME_BOMBS))
+def test_a_cache_that_misbehaves_only_after_many_calls_or_for_some_names_loses_the_memory_points(graded, name):
+    failed = cell_result(graded[name], "test_frees_memory")
+    assert failed.status == "failed" and "however long it serves, whatever the names" in failed.message, failed.message
+
+
+@pytest.mark.parametrize("name", sorted(ONLY_WHEN_GRADED))
+def test_code_that_behaves_well_only_when_graded_is_graded_as_it_behaves_for_the_learner(graded, name):
+    result = graded[name]
+    assert result.score < POINTS, grading.format_results([result])
+    assert result.review, "the lines that ask where the code runs are listed for the instructor"
+
+
+def test_code_that_asks_for_its_parent_process_is_named_for_review(graded):
+    """A known gap: the grader's processes are the parent's, and their command lines say so (a learner's
+    kernel has Jupyter's).  The score may be full; the instructor's review list names the line."""
+    assert any("/proc/" in line for line in graded["right_only_under_the_graders_parent"].review)
