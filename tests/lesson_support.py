@@ -189,3 +189,14 @@ def test_no_handed_back_file_holds_a_line_of_a_hidden_test(graded, request):
     """Every lesson's test module imports this test: the graded notebooks, feedback pages and
     class report of all its submissions hold no line of the lesson's hidden tests."""
     assert not leaked_lines(graded.folder, request.module.SOLUTION, request.module.RELEASE)
+
+
+def test_every_test_of_the_reference_records_what_it_observed(graded, request):
+    """Every lesson's test module imports this test: running the reference solution, each of the lesson's
+    tests passes and records outputs for the grader to compare (a bare "passed" is never accepted), and
+    the grader has its own figures of it."""
+    lesson = request.module.SOLUTION.parent.name
+    reference = grading.reference_of(ROOT, lesson)
+    assert reference["tests"], lesson
+    for test_id, test in reference["tests"].items():
+        assert test["status"] == "passed" and test["observed"] and test["measured"], (test_id, test["status"])

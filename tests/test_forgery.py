@@ -134,7 +134,6 @@ def only_when_graded(condition: str) -> str:
 FORGED = {
     "cheat_forges_result_lines": strong() + FORGES_RESULT_LINES,
     "cheat_relays_the_channel_saying_passed": strong() + RELAYS_THE_CHANNEL_SAYING_PASSED,
-    "cheat_relays_the_channel_hoarding_what_no_meter_sees": HOARDS_WHAT_NO_METER_SEES + RELAYS_THE_CHANNEL_SAYING_PASSED,
 }
 TIME_BOMBS = {
     "stops_evicting_after_1000_calls": STOPS_EVICTING_AFTER_1000_CALLS,
@@ -158,7 +157,8 @@ RIGHT_ONLY_UNDER_THE_GRADERS_PARENT = only_when_graded(
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("forged")
-    variants = {**FORGED, **TIME_BOMBS, **ONLY_WHEN_GRADED, "right": reference(),
+    variants = {**FORGED, **TIME_BOMBS, **ONLY_WHEN_GRADED, "right": reference(), "leaky": strong(),
+                "hoards_what_no_meter_sees": HOARDS_WHAT_NO_METER_SEES,
                 "right_only_under_the_graders_parent": RIGHT_ONLY_UNDER_THE_GRADERS_PARENT}
     return grade_all(write_variants(RELEASE, variants, folder), folder)
 
@@ -168,10 +168,12 @@ def test_the_right_cache_earns_full_marks_beside_the_forgeries(graded):
 
 
 @pytest.mark.parametrize("name", sorted(FORGED))
-def test_a_process_that_lies_about_its_results_earns_nothing(graded, name):
-    result = graded[name]
-    assert result.max_score == POINTS and result.score == 0, grading.format_results([result])
-    assert all(t.status == "failed" for t in result.tests), grading.format_results([result])
+def test_a_process_that_lies_about_its_results_earns_no_point_its_code_did_not(graded, name):
+    """The leaky cache, graded as it is, earns the one test it passes (the same object while in use);
+    lying about the rest earns nothing more."""
+    result, honest = graded[name], graded["leaky"]
+    assert result.max_score == POINTS and result.score <= honest.score < POINTS, grading.format_results([result, honest])
+    assert all(t.status == "failed" for t in result.tests if t.id != "test_same_model"), grading.format_results([result])
     assert result.disagreements, "a submission whose process said passed where the grader measured otherwise is flagged"
 
 
@@ -182,11 +184,12 @@ def test_forged_lines_are_refuted_by_outputs_the_test_never_produced(graded):
 
 
 def test_memory_no_meter_sees_is_measured_by_the_system(graded):
-    """The hoard passes every check in the process (no meter counts numpy's memory, and the relay says
-    passed where one did not); the system's figure of the process's resident memory over the long run of
-    requests refutes it."""
-    failed = cell_result(graded["cheat_relays_the_channel_hoarding_what_no_meter_sees"], "test_frees_memory")
+    """The hoard passes the memory test's every check in the process (no meter counts numpy's memory);
+    the system's figure of the process's resident memory over the long run of requests refutes it."""
+    result = graded["hoards_what_no_meter_sees"]
+    failed = cell_result(result, "test_frees_memory")
     assert "the system measured" in failed.message and "resident memory" in failed.message, failed.message
+    assert any(line.startswith("test_frees_memory: ") for line in result.disagreements)
 
 
 @pytest.mark.parametrize("name", sorted(TIME_BOMBS))
