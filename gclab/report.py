@@ -44,6 +44,7 @@ CYCLE = "objects kept in a reference cycle"
 NOT_BACK_TO_BASELINE = "memory not back to baseline"
 COLLECTION_DURING_CHECK = "a collection ran during the check"
 WRONG_RESULT = "results differ from what is expected"
+REFUTED = "the process said passed, the grader's own figures did not (flagged for review)"
 
 # (pattern, cause), in order: the first pattern found in a message's shape (numbers written #,
 # see `message_shape`) names its cause.  A message that says several things (a FlatReport's or a
@@ -53,6 +54,7 @@ CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
     (r"not a readable notebook|not a notebook of this course|unreadable", UNREADABLE),
     ((r"tamper|grader's tools|was replaced|refused while grading|result channel|cannot vouch"
       r"|budget was changed"), TAMPERING),
+    (r"your process reported that", REFUTED),
     (r"inconclusive", INCONCLUSIVE),
     (r"time limit|took longer than", TIMEOUT),
     (r"ended the process|grading process ended|kernel died|DeadKernel", DIED),
@@ -252,7 +254,30 @@ def lesson_section(assignment: str, results) -> str:
 
 
 def _review_rows(results) -> str:
-    """The answers to read by hand: lines that look at what tells a grading run from the learner's own."""
+    """The submissions to look at by hand: those whose process said a test passed where the grader's own
+    figures said otherwise, and answers with lines that look at what tells a grading run from the
+    learner's own."""
+    return _refuted_rows(results) + _environment_rows(results)
+
+
+def _refuted_rows(results) -> str:
+    refuted = [(student_of(r), r.score, r.max_score, r.disagreements)
+               for r in results if getattr(r, "disagreements", None)]
+    if not refuted:
+        return ""
+    e = html.escape
+    rows = "".join(f"<tr><td>{e(student)}</td><td class='n'>{_number(score)} / {_number(max_score)}</td>"
+                   f"<td class='example'>{'<br>'.join(e(line[:300]) for line in lines[:5])}</td></tr>"
+                   for student, score, max_score, lines in refuted)
+    return ("<h3>Refuted by the grader's figures</h3><p>The process that ran these answers said a test passed; "
+            "the grader's own figures (outputs compared with the reference solution's, what the system reports "
+            "about the process) did not, and the test scored 0. Worth a look: an answer that tampers with "
+            "grading, or one that needs far more memory than the reference.</p>"
+            "<table><tr><th>student</th><th>score</th><th>what was refuted</th></tr>"
+            f"{rows}</table>")
+
+
+def _environment_rows(results) -> str:
     flagged = [(student_of(r), r.score, r.max_score, r.review) for r in results if getattr(r, "review", None)]
     if not flagged:
         return ""
@@ -306,5 +331,7 @@ def class_report(results, out_dir: Path) -> dict[str, Path]:
                          for name, lesson in lessons.items() for g in failure_groups(lesson)])
     to_read = _write_csv(out_dir / "review.csv", ["student", "assignment", "score", "line"],
                          [[student_of(r), r.assignment, _number(r.score), line]
-                          for lesson in lessons.values() for r in lesson for line in getattr(r, "review", [])])
+                          for lesson in lessons.values() for r in lesson
+                          for line in [*(f"refuted: {d}" for d in getattr(r, "disagreements", [])),
+                                       *getattr(r, "review", [])]])
     return {"html": page, "scores": scores, "causes": causes, "review": to_read}

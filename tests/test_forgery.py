@@ -8,6 +8,7 @@ process) and each loses the points its code did not earn, with a reason a learne
 import pytest
 
 from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, write_variants
+from test_lesson_03 import LEAKY as LEAKY_PAIR, RELEASE as RELEASE_03
 from test_lesson_07 import POINTS, RELEASE, reference, strong
 
 from gclab import grading
@@ -125,6 +126,24 @@ PINS_NAMES_WITH_A_SLASH = reference(strong='''self._recent[name] = model
             self._recent.popitem(last=False)''')
 
 
+# The meter's own count rewritten: each pair's tensors taken out of the CPU meter's records as they are made,
+# so that it reads 0 B while every pair stays held; and the channel relayed, each failure of a check that sees
+# otherwise (the allocator's census, the process's memory) turned into "passed".
+REWRITES_THE_METERS_COUNT = """
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+def _unseen(*tensors):
+    for mode in _get_current_dispatch_mode_stack():
+        size, weak = getattr(mode, "_size", None), getattr(mode, "_weak", None)
+        if size is None:
+            continue
+        for tensor in tensors:
+            key = tensor.untyped_storage()._cdata
+            if key in size:
+                mode._counted -= size.pop(key)
+                weak.pop(key, None)
+""" + LEAKY_PAIR.format(extra="_unseen(head.tensor, tail.tensor)") + RELAYS_THE_CHANNEL_SAYING_PASSED
+
+
 def only_when_graded(condition: str) -> str:
     """The right cache where `condition` says it runs under grading, the lesson's leaky one elsewhere."""
     return ("import os, sys\n" + f"_GRADED = {condition}\n" + reference()
@@ -209,3 +228,20 @@ def test_code_that_asks_for_its_parent_process_is_named_for_review(graded):
     """A known gap: the grader's processes are the parent's, and their command lines say so (a learner's
     kernel has Jupyter's).  The score may be full; the instructor's review list names the line."""
     assert any("/proc/" in line for line in graded["right_only_under_the_graders_parent"].review)
+
+
+@pytest.fixture(scope="module")
+def graded_03(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("forged_03")
+    variants = {"leaky": LEAKY_PAIR.format(extra=""), "cheat_rewrites_the_meters_count": REWRITES_THE_METERS_COUNT}
+    return grade_all(write_variants(RELEASE_03, variants, folder), folder)
+
+
+def test_a_meter_rewritten_in_the_process_does_not_hide_a_leak_from_the_system(graded_03):
+    """Lesson 03's Node leak with the meter's records rewritten and every failure relayed as "passed": the
+    system's figures of the process over the 400 pairs of the memory test refute it."""
+    result, honest = graded_03["cheat_rewrites_the_meters_count"], graded_03["leaky"]
+    failed = cell_result(result, "test_memory_flat")
+    assert failed.status == "failed", grading.format_results([result])
+    assert "your process reported that the test passed" in failed.message, failed.message
+    assert result.score <= honest.score, grading.format_results([result, honest])

@@ -1,5 +1,6 @@
 """The class report: failure causes from the checks' real messages, grouped per lesson, and the
 files written for the instructor (no grading runs here: the results are made up)."""
+from types import SimpleNamespace
 import csv
 
 import pytest
@@ -221,3 +222,15 @@ def test_answers_that_look_at_how_they_run_are_listed_to_read_not_marked_down(cl
     passed = paths["html"].read_text(encoding="utf-8").split("<h2>01_reference_counting</h2>")[1]
     assert "Answers to read" not in passed.split("</section>")[0]
 
+
+
+def test_a_submission_the_graders_figures_refuted_is_flagged_for_review(class_results, tmp_path):
+    dave = next(r for r in class_results if r.student == "dave")
+    refuted = ("test_memory_flat: your process reported that the test passed; the system measured 200.0 MiB more "
+               "resident memory over the test, where the reference solution's grew 0.3 MiB (allowed: 24.4 MiB)")
+    dave.disagreements = [refuted]
+    paths = report.class_report(class_results, tmp_path)
+    section = paths["html"].read_text(encoding="utf-8").split("<h2>03_node_leak</h2>")[1].split("</section>")[0]
+    assert "<h3>Refuted by the grader's figures</h3>" in section and "200.0 MiB more" in section
+    assert ["dave", "03_node_leak", "6", f"refuted: {refuted}"] in _rows(paths["review"])
+    assert report.cause_of(SimpleNamespace(status="failed", message=refuted.split(": ", 1)[1])) == report.REFUTED
