@@ -1,0 +1,121 @@
+"""The grader's own measurements (gclab.measured, gclab.procfs): what decides whether a "passed" stands."""
+import os
+import subprocess
+import sys
+import time
+
+from gclab import measured, procfs
+
+MiB = 1024 * 1024
+
+
+def _child(code: str) -> subprocess.Popen:
+    """A Python in a session of its own, running `code`, then waiting on stdin."""
+    return subprocess.Popen([sys.executable, "-c", code + "\nimport sys\nsys.stdin.read()"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True, text=True)
+
+
+def test_a_process_that_touches_memory_shows_it_in_its_resident_figures():
+    proc = _child("import sys\nblock = bytearray(64 * 1024 * 1024)\nprint('ready', flush=True)")
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        reading = procfs.read(proc.pid)
+        assert reading.processes == 1 and reading.threads >= 1
+        assert reading.rss > 60 * MiB and reading.peak >= reading.rss, reading
+        assert reading.gpu is None or reading.gpu >= 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_peak_is_reset_to_the_current_figure_and_cpu_time_only_grows():
+    proc = _child("import sys\nblock = bytearray(96 * 1024 * 1024)\ndel block\n"
+                  "x = sum(range(3_000_000))\nprint('ready', flush=True)")
+    try:
+        proc.stdout.readline()
+        before = procfs.read(proc.pid)
+        assert before.peak > before.rss + 80 * MiB, before      # the freed 96 MiB is in the peak only
+        procfs.reset_peaks(proc.pid)
+        after = procfs.read(proc.pid)
+        assert after.peak < before.peak - 80 * MiB, after
+        assert after.cpu_ns >= before.cpu_ns > 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_whole_session_is_read_a_child_included():
+    proc = _child("import subprocess, sys\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                  "print('ready', flush=True)")
+    try:
+        proc.stdout.readline()
+        deadline = time.monotonic() + 10
+        while len(procfs.session_members(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procfs.read(proc.pid).processes == 2
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def _ref(observed=(("scores", [1.0, 2.0]),), cpu=1.0, rss=0, peak=4 * MiB):
+    return {"status": "passed", "observed": [list(o) for o in observed],
+            "measured": {"cpu_s": cpu, "rss_growth": rss, "peak_growth": peak}}
+
+
+def test_a_pass_stands_when_outputs_work_and_memory_agree():
+    mine = {"cpu_s": 0.8, "rss_growth": 3 * MiB, "peak_growth": 9 * MiB}
+    assert measured.confirm("passed", [["my name", [1.0, 2.0000001]]], mine, _ref()) is None
+
+
+def test_a_failure_is_never_turned_into_a_pass():
+    assert measured.confirm("failed", [], {}, _ref()) is None
+
+
+def test_outputs_the_test_never_produced_refute_a_pass():
+    why = measured.confirm("passed", [], {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0}, _ref())
+    assert why.startswith("your process reported that the test passed, but it recorded 0 outputs")
+    why = measured.confirm("passed", [["scores", [1.0, 3.0]]], {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0}, _ref())
+    assert "scores: value 1 is 3.0 where the reference solution gave 2.0" in why
+
+
+def test_a_test_whose_work_did_not_run_is_refuted_by_its_cpu_time():
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], {"cpu_s": 0.01, "rss_growth": 0, "peak_growth": 0}, _ref())
+    assert "0.010 s on the CPU" in why and "the test's work did not run" in why
+
+
+def test_memory_over_the_references_and_its_margin_is_refuted_in_words():
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]],
+                           {"cpu_s": 1.0, "rss_growth": 200 * MiB, "peak_growth": 200 * MiB}, _ref())
+    assert why == ("your process reported that the test passed; the system measured 200.0 MiB more resident memory "
+                   "over the test, where the reference solution's grew 0.0 MiB (allowed: 24.0 MiB)")
+
+
+def test_memory_a_reference_freed_is_not_asked_of_the_learner():
+    ref = _ref(rss=-80 * MiB)
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], {"cpu_s": 1.0, "rss_growth": 5 * MiB,
+                                                             "peak_growth": 5 * MiB}, ref) is None
+
+
+def test_a_result_without_its_start_is_refuted():
+    assert "saw no test run" in measured.confirm("passed", [["s", [1.0, 2.0]]], {}, _ref())
+
+
+def test_memory_that_grew_between_tests_is_measured_apart_from_the_tests():
+    whole = {"rss_growth": 300 * MiB}
+    between = measured.outside_the_tests(whole, [{"rss_growth": 100 * MiB}, {"rss_growth": 10 * MiB}])
+    assert between == {"rss_growth": 190 * MiB}
+    assert "between its tests" in measured.whole_run_disagrees(between, {"rss_growth": 2 * MiB})
+    assert measured.whole_run_disagrees({"rss_growth": 20 * MiB}, {"rss_growth": 2 * MiB}) is None
+
+
+def test_hidden_code_is_redacted_however_it_came_back_and_its_messages_are_not():
+    hidden = ('_helper_that_builds_the_secret_inputs = [make_pair(_i) for _i in range(_SECRET_COUNT)]\n'
+              'assert _left == 0, (f"{_left} bytes left: a pair must free itself when dropped")\n')
+    redact = measured.Redactor([hidden])
+    assert "_SECRET_COUNT" not in redact("MyError: _helper_that_builds_the_secret_inputs = [make_pair(_i) "
+                                         "for _i in range(_SECRET_COUNT)] was in memory")
+    assert "make_pair(_i) for _i in range(_SECRET" not in redact("...= [make_pair(_i) for _i in range(_SECRET_COUNT)]")
+    assert redact("512 bytes left: a pair must free itself when dropped") == (
+        "512 bytes left: a pair must free itself when dropped")
