@@ -261,34 +261,31 @@ def _review_rows(results) -> str:
 
 
 def _refuted_rows(results) -> str:
-    refuted = [(student_of(r), r.score, r.max_score, r.disagreements)
-               for r in results if getattr(r, "disagreements", None)]
-    if not refuted:
-        return ""
-    e = html.escape
-    rows = "".join(f"<tr><td>{e(student)}</td><td class='n'>{_number(score)} / {_number(max_score)}</td>"
-                   f"<td class='example'>{'<br>'.join(e(line[:300]) for line in lines[:5])}</td></tr>"
-                   for student, score, max_score, lines in refuted)
-    return ("<h3>Refuted by the grader's figures</h3><p>The process that ran these answers said a test passed; "
-            "the grader's own figures (outputs compared with the reference solution's, what the system reports "
-            "about the process) did not, and the test scored 0. Worth a look: an answer that tampers with "
-            "grading, or one that needs far more memory than the reference.</p>"
-            "<table><tr><th>student</th><th>score</th><th>what was refuted</th></tr>"
-            f"{rows}</table>")
+    return _flagged_table(
+        results, "disagreements", "Refuted by the grader's figures", "what was refuted", 300,
+        "The process that ran these answers said a test passed; the grader's own figures (outputs compared with "
+        "the reference solution's, what the system reports about the process) did not, and the test scored 0. "
+        "Worth a look: an answer that tampers with grading, or one that needs far more memory than the reference.")
 
 
 def _environment_rows(results) -> str:
-    flagged = [(student_of(r), r.score, r.max_score, r.review) for r in results if getattr(r, "review", None)]
+    return _flagged_table(
+        results, "review", "Answers to read", "the lines", 200,
+        "These answers read what a grading run and the learner's own run can differ in (whether the collector is "
+        "on, which modules are loaded, ...). That is not wrong in itself, and their scores stand; but code that "
+        "behaves well only where it is measured would read such things: worth a look.")
+
+
+def _flagged_table(results, field: str, title: str, column: str, width: int, why: str) -> str:
+    """A table of the students whose results list lines in `field`, with their scores and those lines."""
+    flagged = [(student_of(r), r.score, r.max_score, getattr(r, field)) for r in results if getattr(r, field, None)]
     if not flagged:
         return ""
     e = html.escape
     rows = "".join(f"<tr><td>{e(student)}</td><td class='n'>{_number(score)} / {_number(max_score)}</td>"
-                   f"<td class='example'>{'<br>'.join(e(line[:200]) for line in lines[:5])}</td></tr>"
+                   f"<td class='example'>{'<br>'.join(e(line[:width]) for line in lines[:5])}</td></tr>"
                    for student, score, max_score, lines in flagged)
-    return ("<h3>Answers to read</h3><p>These answers read what a grading run and the learner's own run can "
-            "differ in (whether the collector is on, which modules are loaded, ...). That is not wrong in itself, "
-            "and their scores stand; but code that behaves well only where it is measured would read such "
-            "things: worth a look.</p><table><tr><th>student</th><th>score</th><th>the lines</th></tr>"
+    return (f"<h3>{e(title)}</h3><p>{e(why)}</p><table><tr><th>student</th><th>score</th><th>{e(column)}</th></tr>"
             f"{rows}</table>")
 
 
