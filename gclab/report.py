@@ -285,7 +285,8 @@ def _flagged_table(results, field: str, title: str, column: str, width: int, why
     rows = "".join(f"<tr><td>{e(student)}</td><td class='n'>{_number(score)} / {_number(max_score)}</td>"
                    f"<td class='example'>{'<br>'.join(e(line[:width]) for line in lines[:5])}</td></tr>"
                    for student, score, max_score, lines in flagged)
-    return (f"<h3>{e(title)}</h3><p>{e(why)}</p><table><tr><th>student</th><th>score</th><th>{e(column)}</th></tr>"
+    return (f"<h3>{e(title, quote=False)}</h3><p>{e(why, quote=False)}</p>"
+            f"<table><tr><th>student</th><th>score</th><th>{e(column)}</th></tr>"
             f"{rows}</table>")
 
 
