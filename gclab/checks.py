@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import outside
 from .gcwatch import Collection, GCWatch
 from .held import GraphCensus, HeldBytes, HeldReport, StorageCensus, Unfrozen, graphs_held
 from .memory import AllocationCensus, Meter, ProcessMemory, cuda_bytes, format_bytes, process_memory
@@ -338,7 +339,8 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
     collector on may run collections, but memory must still be back at (or below) its level
     before them after every iteration: a fix must not depend on the collector being off.
     Elsewhere all `collector_on` run with the collector on, measured by the meter.  The
-    collector's previous state is restored after.
+    collector's previous state is restored after.  Every step is marked for a reader outside the
+    process (`gclab.outside`).
 
     `holder`: the object whose code the step runs (a trainer, a cache), for the learner's
     self-check.  When memory did not come back, the report then also says which of its
@@ -374,6 +376,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                 heap_from = _heap_read_from(meter.device, iterations)
                 with AllocationCensus(warming_up.alive) as census, watch:
                     census.mark()
+                    outside.mark()
                     for n, i in enumerate(range(warmup, warmup + iterations)):
                         if n == heap_from and n and heap_start is not None:
                             heap_start, kept = _settled_memory(), 0
@@ -382,6 +385,7 @@ def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                         kept += cost
                         report.growth.append(meter.allocated() - baseline)
                         census.mark()
+                        outside.mark()
                         if gc.isenabled():
                             report.reenabled_gc = True
                             gc.disable()
@@ -523,6 +527,7 @@ def _run_unwatched(step, report: FlatReport, start: int, carried, marker: Unfroz
             now = _settled_memory()
             heap[n], blocks[n] = now.total - before.total, now.blocks - before.blocks
             device[n] = _device_bytes(report.device) - device_start
+            outside.mark()
             if gc.isenabled():
                 report.reenabled_gc = True
                 gc.disable()
@@ -562,6 +567,7 @@ def _run_collector_on(step, meter, report: FlatReport, start: int, storages_befo
             report.growth_collector_on.append(meter.allocated() - baseline)
             if report.unwatched:
                 report.heap_collector_on.append(_settled_memory().total - heap_baseline.total - kept)
+            outside.mark()
     finally:
         gc.disable()
         if storages_before is not None:

@@ -323,6 +323,9 @@ class NotebookResult:
         data = asdict(self)
         for test in data["tests"]:
             test.pop("observed", None)     # what hidden tests saw: the grader's, never handed back
+            calls = test["measured"].pop("calls", None)
+            if calls:
+                test["measured"].update(calls=len(calls), longest_call_cpu_s=max(calls))
         return data
 
 
@@ -610,7 +613,11 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
                 watch.start()
             elif event == "result":
                 figures = watch.result(message.get("test"))
-            if event in ("ready", "start", "result", "done"):
+            elif event == "mark":
+                watch.mark()
+            elif event == "price":
+                watch.price()
+            if event in ("ready", "start", "result", "mark", "price", "done"):
                 _go_on(read_end)     # the verdict waits for this byte: the readings above saw it stopped
             if event in ("answer", "start"):
                 running = (event, message.get("cell") or message.get("test"))
@@ -900,8 +907,9 @@ def reference_figures(root: Path, assignment: str, notebook: str, source_nb, con
 def _confirm(result: NotebookResult, reference: dict) -> None:
     """A test the learner's process says passed keeps its point only where the grader's figures agree;
     where they do not, the test fails saying so, and the submission is flagged for review."""
+    price = (reference.get("run") or {}).get("full_collection_cpu_s")
     for test in result.tests:
-        why = measured.confirm(test.status, test.observed, test.measured, reference["tests"].get(test.id))
+        why = measured.confirm(test.status, test.observed, test.measured, reference["tests"].get(test.id), price)
         if why:
             test.status, test.score, test.message = "failed", 0.0, why
             result.disagreements.append(f"{test.id}: {why}")

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ WORK_FLOOR_S = 0.05          # ... where the reference spends at least this much
 # memory a test (or the whole run) may take beyond the reference's: a fixed slack for the allocator's
 # and the interpreter's own noise, plus a share of what the reference itself grew
 TEST_SLACK, RUN_SLACK, SHARE = 24 * MiB, 48 * MiB, 0.25
+CALL_FACTOR = 2              # a call may take this many times the reference's same call, plus half a collection
 
 
 class Watch:
@@ -52,6 +54,9 @@ class Watch:
         self.sid, self.before_answers, self.first, self.final, self.peak = sid, None, None, None, 0
         self.window = None
         self.answers: dict = {}
+        self.pids: list[int] = []
+        self.marks: list[int] = []
+        self.prices: list[int] = []
 
     def _read(self) -> procfs.Reading:
         reading = procfs.read(self.sid)
@@ -65,26 +70,42 @@ class Watch:
 
     def start(self) -> None:
         self.window = self._read()
+        self.pids, self.marks = procfs.session_members(self.sid), []
         if self.first is None:
             self.first = self.window
             if self.before_answers is not None:
                 self.answers = _between(self.before_answers, self.first, self.first.peak)
+
+    def mark(self) -> None:
+        """A boundary of a call the test's code makes (gclab.outside): the CPU time now."""
+        if self.window is not None:
+            self.marks.append(procfs.cpu_ns(self.pids))
+
+    def price(self) -> None:
+        """Either side of the full collection the verdict process runs after its tests."""
+        self.prices.append(procfs.cpu_ns(procfs.session_members(self.sid)))
 
     def result(self, test_id: str) -> dict:
         if self.window is None:
             return {}
         start, end = self.window, self._read()
         self.window = None
-        return _between(start, end, end.peak)
+        figures = _between(start, end, end.peak)
+        if len(self.marks) > 1:
+            figures["calls"] = [round((b - a) / 1e9, 6) for a, b in zip(self.marks, self.marks[1:])]
+        return figures
 
     def end(self) -> dict:
         """The whole run of the tests, from the first one's start to now; the answer cells' own
-        figures under "answers"."""
+        figures under "answers"; what a full collection cost the process, where it said."""
         if self.first is None:
             return {}
         if self.final is None:
             self.final = self._read()
-        return {**_between(self.first, self.final, self.peak), "answers": self.answers}
+        figures = {**_between(self.first, self.final, self.peak), "answers": self.answers}
+        if len(self.prices) >= 2:
+            figures["full_collection_cpu_s"] = (self.prices[-1] - self.prices[-2]) / 1e9
+        return figures
 
 
 def _between(start: procfs.Reading, end: procfs.Reading, peak: int) -> dict:
@@ -130,9 +151,11 @@ def reference(cache: Path | None, compute) -> dict:
 
 
 # -- a test's "passed", confirmed ------------------------------------------------------------------
-def confirm(status: str, observed, measured: dict, reference_test: dict | None) -> str | None:
+def confirm(status: str, observed, measured: dict, reference_test: dict | None,
+            price: float | None = None) -> str | None:
     """None where the grader's own figures confirm a test the learner's process says `status`
-    "passed"; else why not, in words a learner can read."""
+    "passed"; else why not, in words a learner can read.  `price`: the CPU seconds a full collection
+    took in the reference's process (see `calls_disagree`)."""
     if status != "passed":
         return None
     if not reference_test or reference_test.get("status") != "passed":
@@ -146,7 +169,32 @@ def confirm(status: str, observed, measured: dict, reference_test: dict | None) 
     if not measured and ref:
         return ("your process reported that the test passed, but the grader saw no test run: the result came "
                 "without the test's start")
-    return _figures_disagree(measured, ref, TEST_SLACK, "over the test")
+    return (_figures_disagree(measured, ref, TEST_SLACK, "over the test")
+            or calls_disagree(measured.get("calls") or [], ref.get("calls") or [], price))
+
+
+def calls_disagree(calls: list, ref_calls: list, price: float | None) -> str | None:
+    """Why the CPU time of a test's calls, read from outside at each mark (gclab.outside), refutes its
+    "passed", or None.  The calls are compared one by one with the reference's: a call that took more
+    than twice the reference's same call plus half a full collection's price ran (most of) a
+    collection the reference's did not.  A few may, as a right answer's automatic collections fall
+    where they fall: one, or one in a hundred."""
+    if not ref_calls:
+        return None
+    if len(calls) != len(ref_calls):
+        return (f"your process reported that the test passed, but the grader timed {len(calls)} calls (requests "
+                f"served, steps of a check), where the reference solution's test makes {len(ref_calls)}: the "
+                "test's calls did not run as written")
+    if not price:
+        return None
+    over = [got for got, ref in zip(calls, ref_calls) if got > CALL_FACTOR * ref + price / 2]
+    if len(over) <= max(1, len(calls) // 100):
+        return None
+    return (f"your process reported that the test passed, but the grader, timing each of its {len(calls)} calls "
+            f"(requests served, steps of a check) from outside, found {len(over)} that took far more CPU time than "
+            f"the reference solution's same calls: the longest {max(over) * 1e3:.0f} ms, where the reference's "
+            f"took {statistics.median(ref_calls) * 1e3:.1f} ms (median) and a full collection "
+            f"{price * 1e3:.0f} ms. Something collected inside them")
 
 
 def _figures_disagree(measured: dict, ref: dict, slack: int, span: str) -> str | None:

@@ -55,6 +55,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import outside
 from .gcwatch import Collection, GCWatch, gc_disabled
 from .guard import starting_environment
 
@@ -1278,7 +1279,9 @@ def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_
     `gc.callbacks`, the collector's own counts only; their results are dropped), and records
     the full collections inside them (`full_inside_unwatched`, see `InlineRun.differs_unwatched`):
     `unwatched_requests` when given (requests the program has not seen: it cannot tell the
-    second pass by them), else copies of the requests served (not the same objects)."""
+    second pass by them), else copies of the requests served (not the same objects).
+
+    Each request served, in either pass, is marked for a reader outside the process (`gclab.outside`)."""
     record = InlineRun([], [], [], [])
     planned = len(requests)
     over = 0
@@ -1300,6 +1303,7 @@ def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_
     frozen = gc.get_freeze_count()
     gc.callbacks.append(on_gc)
     try:
+        outside.mark()
         for k, request in enumerate(requests):
             first, start, cpu, full = len(record.collections), clock(), thread_time(), _full_collections()
             try:
@@ -1310,6 +1314,7 @@ def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_
             record.cpu.append(thread_time() - cpu)
             record.full_inside += _full_collections() - full
             record.results.append(result)
+            outside.mark()
             if pause_budget is not None:
                 over += sum(c.cpu for c in record.collections[first:]) > pause_budget
                 if over > planned // 100 + 1:
@@ -1335,6 +1340,7 @@ def _full_collections_unwatched(handle, requests, enough: int) -> int:
     """Full collections inside `handle(request)` for each request, read from the collector's own
     counts with nothing added to gc.callbacks; stops once the count passes `enough`."""
     count = 0
+    outside.mark()
     for request in requests:
         before = _full_collections()
         try:
@@ -1342,6 +1348,7 @@ def _full_collections_unwatched(handle, requests, enough: int) -> int:
         except Exception:
             pass
         count += _full_collections() - before
+        outside.mark()
         if count > enough:
             break
     return count

@@ -221,6 +221,9 @@ def run(job: dict, channel: int) -> None:
     # the result: `_describe`)
     shell.showtraceback = shell.showsyntaxerror = shell.showindentationerror = lambda *args, **kwargs: None
     _initialise_cuda()
+    # the grader reads this process's CPU time at every mark of a run of calls (gclab.outside)
+    from gclab import outside
+    outside.read_by(lambda: _send_and_wait(channel, token, event="mark"))
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
     # from here on, this module's names (and the builtins) as they are now, whatever the learner's
     # code rebinds through this module's __dict__ (a _run_test that says "passed")
@@ -265,12 +268,22 @@ def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:
     for name in job.get("answer_names", ()):
         given.pop(name, None)
     tools = [name for name in job.get("tools", ()) if name in given]
+    _price_a_full_collection(channel, token)
     for number, test in enumerate(job["tests"]):
         _send_and_wait(channel, token, event="start", test=test["id"])
         _seed(number)
         outcome = _run_test(keeper, test, namespace, given, tools, relied_on, test_builtins)
         _send_and_wait(channel, token, event="result", test=test["id"], answer_errors=answer_errors, **outcome)
     _send_and_wait(channel, token, event="done")
+
+
+def _price_a_full_collection(channel: int, token: _Token) -> None:
+    """A full collection between two readings of the grader's, once the answer cells have run: what one
+    costs in this process, which the grader takes from the reference solution's run to know a collection
+    inside a call when it sees one."""
+    _send_and_wait(channel, token, event="price")
+    gc.collect()
+    _send_and_wait(channel, token, event="price")
 
 
 _UNSET = object()

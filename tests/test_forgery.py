@@ -233,7 +233,10 @@ def test_code_that_asks_for_its_parent_process_is_named_for_review(graded):
 @pytest.fixture(scope="module")
 def graded_03(tmp_path_factory):
     folder = tmp_path_factory.mktemp("forged_03")
-    variants = {"leaky": LEAKY_PAIR.format(extra=""), "cheat_rewrites_the_meters_count": REWRITES_THE_METERS_COUNT}
+    variants = {"leaky": LEAKY_PAIR.format(extra=""), "cheat_rewrites_the_meters_count": REWRITES_THE_METERS_COUNT,
+                "collects_every_pair": LEAKY_PAIR.format(extra="gc.collect()"),
+                "cheat_collects_every_pair_and_relays_passed": (LEAKY_PAIR.format(extra="gc.collect()")
+                                                                + RELAYS_THE_CHANNEL_SAYING_PASSED)}
     return grade_all(write_variants(RELEASE_03, variants, folder), folder)
 
 
@@ -245,3 +248,12 @@ def test_a_meter_rewritten_in_the_process_does_not_hide_a_leak_from_the_system(g
     assert failed.status == "failed", grading.format_results([result])
     assert "your process reported that the test passed" in failed.message, failed.message
     assert result.score <= honest.score, grading.format_results([result, honest])
+
+
+def test_a_band_aid_collection_in_every_call_is_timed_from_outside_whatever_the_process_says(graded_03):
+    """gc.collect() in make_pair, every failure relayed as "passed": the grader times each make_pair call of
+    the pair test at its marks (gclab.outside) and finds a collection's CPU time in them."""
+    result, honest = graded_03["cheat_collects_every_pair_and_relays_passed"], graded_03["collects_every_pair"]
+    assert result.score <= honest.score == 0, grading.format_results([result, honest])
+    failed = cell_result(result, "test_pair_links")
+    assert "timing each of its" in failed.message and "Something collected inside them" in failed.message, failed.message

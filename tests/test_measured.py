@@ -102,6 +102,58 @@ def test_a_result_without_its_start_is_refuted():
     assert "saw no test run" in measured.confirm("passed", [["s", [1.0, 2.0]]], {}, _ref())
 
 
+
+def test_cpu_time_counts_every_thread_of_a_process():
+    proc = _child("import threading\n"
+                  "def spin():\n    x = 0\n    for _ in range(8_000_000): x += 1\n"
+                  "t = threading.Thread(target=spin)\nt.start()\nspin()\n"
+                  "print('ready', flush=True)\nimport sys\nsys.stdin.read()\nt.join()")
+    try:
+        proc.stdout.readline()
+        pid = proc.pid
+        threads = procfs.cpu_ns([pid])
+        with open(f"/proc/{pid}/schedstat") as f:
+            leader = int(f.read().split()[0])
+        assert threads >= leader and procfs.read(pid).cpu_ns >= threads
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _calls_ref(calls, price=0.016):
+    ref = _ref()
+    ref["measured"]["calls"] = calls
+    return ref, price
+
+
+def _mine_with(calls):
+    return {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0, "calls": calls}
+
+
+def test_calls_like_the_references_stand_a_slower_right_answer_included():
+    ref, price = _calls_ref([0.001] * 50 + [0.030])
+    slower = [0.003] * 50 + [0.055]                       # three times the step, a slower gap: no collection
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with(slower), ref, price) is None
+    one_automatic = [0.001] * 49 + [0.017, 0.030]         # one collection may fall inside a call
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with(one_automatic), ref, price) is None
+
+
+def test_a_collection_every_few_calls_is_seen_from_outside_whatever_the_process_says():
+    ref, price = _calls_ref([0.001] * 50 + [0.030])
+    every_tenth = [0.017 if k % 10 == 9 else 0.001 for k in range(50)] + [0.030]
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with(every_tenth), ref, price)
+    assert why == ("your process reported that the test passed, but the grader, timing each of its 51 calls (requests "
+                   "served, steps of a check) from outside, found 5 that took far more CPU time than the reference "
+                   "solution's same calls: the longest 17 ms, where the reference's took 1.0 ms (median) and a full "
+                   "collection 16 ms. Something collected inside them")
+
+
+def test_calls_missing_or_added_refute_a_pass():
+    ref, price = _calls_ref([0.001] * 20)
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with([0.001] * 19), ref, price)
+    assert "the grader timed 19 calls" in why and "makes 20" in why
+    assert "timed 0 calls" in measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with([]), ref, price)
+
 def test_memory_that_grew_between_tests_is_measured_apart_from_the_tests():
     whole = {"rss_growth": 300 * MiB}
     between = measured.outside_the_tests(whole, [{"rss_growth": 100 * MiB}, {"rss_growth": 10 * MiB}])
@@ -119,3 +171,39 @@ def test_hidden_code_is_redacted_however_it_came_back_and_its_messages_are_not()
     assert "make_pair(_i) for _i in range(_SECRET" not in redact("...= [make_pair(_i) for _i in range(_SECRET_COUNT)]")
     assert redact("512 bytes left: a pair must free itself when dropped") == (
         "512 bytes left: a pair must free itself when dropped")
+
+
+class _FakeNVML:
+    """NVML as nvidia-ml-py presents it: per device, the processes using it and their memory (None
+    where the driver cannot say)."""
+
+    def __init__(self, devices):
+        self.devices = devices
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        from types import SimpleNamespace
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.devices[handle]]
+
+
+def test_gpu_memory_is_the_drivers_figure_for_the_session_on_every_device(monkeypatch):
+    nvml = _FakeNVML([[(10, 300 * MiB), (99, 5000 * MiB)], [(11, 200 * MiB), (10, None)]])
+    monkeypatch.setattr(procfs, "_NVML", [nvml])
+    monkeypatch.setattr(procfs.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert procfs._gpu_bytes([10, 11]) == 500 * MiB          # another user's process (99) is not counted
+    monkeypatch.setattr(procfs, "_NVML", [None])              # no nvidia-ml-py, or the driver refused
+    assert procfs._gpu_bytes([10, 11]) is None
+
+
+def test_a_test_whose_gpu_memory_grew_past_the_references_is_refuted_by_the_drivers_figure():
+    ref = _ref()
+    ref["measured"]["gpu_growth"] = 8 * MiB
+    mine = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0, "gpu_growth": 300 * MiB}
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], mine, ref)
+    assert "300.0 MiB more GPU memory (the driver's figure) over the test" in why
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], {**mine, "gpu_growth": 10 * MiB}, ref) is None
