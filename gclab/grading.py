@@ -617,6 +617,8 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
                 watch.mark()
             elif event == "price":
                 watch.price()
+            elif event == "load":
+                _reply(read_end, _send_load(watch, message.get("argv"), message.get("server")))
             if event in ("ready", "start", "result", "mark", "price", "done"):
                 _go_on(read_end)     # the verdict waits for this byte: the readings above saw it stopped
             if event in ("answer", "start"):
@@ -639,6 +641,42 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
         for test_id in results:
             result(test_id, "tampered", "the submission wrote to the grader's result channel", results[test_id].output)
     return results
+
+
+def _send_load(watch: measured.Watch, argv, server) -> list:
+    """The load a verdict process asked for, sent by the grader from a process of its own (outside the
+    verdict's session), reading the server's CPU time at every request sent and answered; its figures
+    go with the test's.  [] (refused) unless the arguments are a load's and the server is the verdict's."""
+    from . import procfs, serving
+    try:
+        args = serving.main_parser().parse_args([str(a) for a in argv])
+        server = int(server)
+    except (SystemExit, TypeError, ValueError):
+        return []
+    if (args.command != "load" or not re.fullmatch(r"http://127\.0\.0\.1:\d+", args.url) or not 0 < args.count <= 20_000
+            or not 0 < args.rate <= 10_000 or not 0 < args.timeout <= 300 or not 0 <= args.lull <= 5
+            or args.burst < 0 or server not in procfs.session_members(watch.sid)):
+        return []
+    load = ["load", args.url, "--rate", str(args.rate), "--count", str(args.count), "--seed", str(args.seed),
+            "--timeout", str(args.timeout), "--burst", str(args.burst), "--lull", str(args.lull),
+            "--watch-cpu", str(server)] + (["--poisson"] if args.poisson else [])
+    try:
+        rows = serving.load_rows(load)
+    except RuntimeError:
+        return []
+    watch.load(f"{args.count} requests at {args.rate:g}/s, seed {args.seed}, bursts of {args.burst} "
+               f"{args.lull:g} s apart" + (", Poisson" if args.poisson else ""), rows)
+    return rows
+
+
+def _reply(channel: int, rows: list) -> None:
+    data = json.dumps(rows).encode() if rows else b""
+    data = len(data).to_bytes(8, "big") + data
+    try:
+        while data:
+            data = data[os.write(channel, data):]
+    except OSError:
+        pass
 
 
 def _go_on(channel: int) -> None:

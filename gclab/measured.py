@@ -41,6 +41,7 @@ WORK_FLOOR_S = 0.05          # ... where the reference spends at least this much
 # and the interpreter's own noise, plus a share of what the reference itself grew
 TEST_SLACK, RUN_SLACK, SHARE = 24 * MiB, 48 * MiB, 0.25
 CALL_FACTOR = 2              # a call may take this many times the reference's same call, plus half a collection
+STRETCH_FLOOR_S = 0.010      # the least "longest stretch" of a reference's server that a load is judged against
 
 
 class Watch:
@@ -57,6 +58,7 @@ class Watch:
         self.pids: list[int] = []
         self.marks: list[int] = []
         self.prices: list[int] = []
+        self.loads: list[dict] = []
 
     def _read(self) -> procfs.Reading:
         reading = procfs.read(self.sid)
@@ -70,7 +72,7 @@ class Watch:
 
     def start(self) -> None:
         self.window = self._read()
-        self.pids, self.marks = procfs.session_members(self.sid), []
+        self.pids, self.marks, self.loads = procfs.session_members(self.sid), [], []
         if self.first is None:
             self.first = self.window
             if self.before_answers is not None:
@@ -80,6 +82,13 @@ class Watch:
         """A boundary of a call the test's code makes (gclab.outside): the CPU time now."""
         if self.window is not None:
             self.marks.append(procfs.cpu_ns(self.pids))
+
+    def load(self, key: str, rows: list) -> None:
+        """A load the grader sent during the test (`key`: its schedule's arguments; rows of
+        `serving.load_rows`, with the server's CPU time read)."""
+        if self.window is not None:
+            self.loads.append({"key": key, "requests": len(rows), "answered": sum(1 for r in rows if r[2] is not None),
+                               "stretches": [round(x, 6) for x in busy_stretches(rows)]})
 
     def price(self) -> None:
         """Either side of the full collection the verdict process runs after its tests."""
@@ -93,6 +102,8 @@ class Watch:
         figures = _between(start, end, end.peak)
         if len(self.marks) > 1:
             figures["calls"] = [round((b - a) / 1e9, 6) for a, b in zip(self.marks, self.marks[1:])]
+        if self.loads:
+            figures["loads"] = self.loads
         return figures
 
     def end(self) -> dict:
@@ -170,7 +181,8 @@ def confirm(status: str, observed, measured: dict, reference_test: dict | None,
         return ("your process reported that the test passed, but the grader saw no test run: the result came "
                 "without the test's start")
     return (_figures_disagree(measured, ref, TEST_SLACK, "over the test")
-            or calls_disagree(measured.get("calls") or [], ref.get("calls") or [], price))
+            or calls_disagree(measured.get("calls") or [], ref.get("calls") or [], price)
+            or loads_disagree(measured.get("loads") or [], ref.get("loads") or []))
 
 
 def calls_disagree(calls: list, ref_calls: list, price: float | None) -> str | None:
@@ -195,6 +207,56 @@ def calls_disagree(calls: list, ref_calls: list, price: float | None) -> str | N
             f"the reference solution's same calls: the longest {max(over) * 1e3:.0f} ms, where the reference's "
             f"took {statistics.median(ref_calls) * 1e3:.1f} ms (median) and a full collection "
             f"{price * 1e3:.0f} ms. Something collected inside them")
+
+
+def busy_stretches(rows: list) -> list[float]:
+    """From a load's rows (scheduled, sent, done, status, server CPU ns at sent, at done): the CPU seconds
+    the server ran from each answer (or from the request that ended an idle moment) to the next answer,
+    while requests were in flight all along.  A collection inside requests holds every answer back, so
+    it shows whole in one stretch; what the server runs while none is in flight is in none."""
+    events = sorted([(r[1], 1, r[4]) for r in rows if r[1] is not None and r[4] is not None]
+                    + [(r[2], -1, r[5]) for r in rows if r[2] is not None and r[5] is not None])
+    stretches, in_flight, since = [], 0, None
+    for _, change, cpu in events:
+        if change > 0 and in_flight == 0:
+            since = cpu
+        elif change < 0 and since is not None:
+            stretches.append((cpu - since) / 1e9)
+            since = cpu
+        in_flight = max(0, in_flight + change)
+        if in_flight == 0:
+            since = None
+    return stretches
+
+
+def loads_disagree(loads: list, ref_loads: list) -> str | None:
+    """Why the server's CPU time while requests were in flight, read from outside during the loads the
+    grader sent (`busy_stretches`), refutes a test's "passed", or None.  Loads are matched to the
+    reference's by their schedule (a check may serve the same load again, or with the collector off).
+    A stretch longer than twice the reference's longest (taken as at least 10 ms) plus 10 ms held requests
+    behind a pause the reference's never had: none may (the in-process rule allows no full collection
+    inside a request).  A pause shorter than that (a full collection over a frozen heap) is not seen."""
+    for key in dict.fromkeys(ref["key"] for ref in ref_loads):
+        ref = next(r for r in ref_loads if r["key"] == key)
+        mine = [load for load in loads if load.get("key") == key]
+        if not mine:
+            return (f"your process reported that the test passed, but the grader was never asked to send the load "
+                    f"the test serves ({ref['requests']} requests): the test did not run as written")
+        answered = max(load["answered"] for load in mine)
+        if answered < ref["answered"] - ref["requests"] // 100:
+            return (f"your process reported that the test passed, but of the {ref['requests']} requests the grader "
+                    f"sent to your server, at most {answered} were answered (the reference's: {ref['answered']})")
+        limit = 2 * max(max(ref["stretches"], default=0.0), STRETCH_FLOOR_S) + 0.010
+        for load in mine:
+            over = [x for x in load["stretches"] if x > limit]
+            if over:
+                return (f"your process reported that the test passed, but the grader, sending the load itself and "
+                        f"reading your server's CPU time at every request sent and answered, found "
+                        f"{'a moment' if len(over) == 1 else f'{len(over)} moments'} in which it ran up to "
+                        f"{max(over) * 1e3:.0f} ms of CPU with requests waiting, where "
+                        f"the reference solution's server ran at most {max(ref['stretches'], default=0.0) * 1e3:.1f} "
+                        "ms between two answers: a collector pause inside requests")
+    return None
 
 
 def _figures_disagree(measured: dict, ref: dict, slack: int, span: str) -> str | None:

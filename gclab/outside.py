@@ -6,12 +6,17 @@ Where nobody reads, a mark does nothing.  Where the course's grader runs the pro
 stops it until the grader has read, from `/proc`, how long the process has been on the CPU: the
 CPU time of every call is then known outside the process, whatever the process says about itself
 (a collection inside a call shows as tens of milliseconds in a call that takes one).
+
+A program that sends a load to a server of its own (`serving.run_load`) asks `load()` first: where
+the grader runs the process, the grader sends that load itself, from a process of its own, reading
+the server's CPU time at every request sent and every answer, and hands back what it saw.
 """
 from __future__ import annotations
 
-__all__ = ["mark", "marked", "read_by"]
+__all__ = ["load", "loads_by", "mark", "marked", "read_by"]
 
 _readers: list = []        # changed in place, never rebound: gclab's names are pinned in a graded process
+_loaders: list = []
 
 
 def mark() -> None:
@@ -35,3 +40,16 @@ def marked(function):
         finally:
             mark()
     return call
+
+
+def load(argv: list, server_pid: int):
+    """The rows of a load (`python -m gclab.serving load` arguments `argv`) that a reader outside
+    sent to the server process `server_pid`; None where no one outside sends loads."""
+    for loader in _loaders:
+        return loader(argv, server_pid)
+    return None
+
+
+def loads_by(loader) -> None:
+    """Send every load through `loader(argv, server_pid)` from now on (None: each program sends its own)."""
+    _loaders[:] = [] if loader is None else [loader]

@@ -643,29 +643,31 @@ def schedule(rate: float, count: int, poisson: bool = False, seed: int = 0) -> l
     return times
 
 
-async def _send_all(host, port, times, timeout, burst=0, lull=0.0):
+async def _send_all(host, port, times, timeout, burst=0, lull=0.0, server_cpu=None):
     """Send request i at times[i] after the start, open-loop, and wait for the answers until
     `timeout` seconds after the start.  With `burst`, the schedule is cut into bursts of that many
     requests, and each burst starts `lull` seconds after every answer to the one before it has
     arrived (its requests keep their spacing, shifted by the wait); each burst has as long after
-    its last scheduled request as the whole load would have after its last."""
+    its last scheduled request as the whole load would have after its last.  With `server_cpu` (a
+    function), each row also holds what it returned as the request was sent and as its answer came."""
     idle: list = []
     t0 = time.perf_counter() + 0.05
     slack = timeout - (times[-1] - times[0] if times else 0.0)
     deadline = t0 + timeout
-    rows = [[None, None, None, 0] for _ in times]      # scheduled, sent, done, status
+    rows = [[None, None, None, 0, None, None] for _ in times]      # scheduled, sent, done, status, server CPU at both
+    cpu = server_cpu or (lambda: None)
 
     async def one(i):
         row = rows[i]
         await asyncio.sleep(max(0.0, row[0] - time.perf_counter()))
-        row[1] = time.perf_counter()
+        row[1], row[4] = time.perf_counter(), cpu()
         reader, writer = idle.pop() if idle else await asyncio.open_connection(host, port)
         writer.write(b"GET /predict?seed=%d HTTP/1.1\r\nHost: gclab\r\n\r\n" % i)
         head = await reader.readuntil(b"\r\n\r\n")
         length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                        if line.lower().startswith(b"content-length:")), 0)
         await reader.readexactly(length)
-        row[2], row[3] = time.perf_counter(), int(head.split(b" ", 2)[1])
+        row[2], row[3], row[5] = time.perf_counter(), int(head.split(b" ", 2)[1]), cpu()
         idle.append((reader, writer))
 
     size = burst or len(times)
@@ -692,10 +694,17 @@ async def _send_all(host, port, times, timeout, burst=0, lull=0.0):
 
 
 def load_main(url: str, rate: float, count: int, poisson: bool, seed: int, timeout: float,
-              burst: int = 0, lull: float = 0.0) -> None:
+              burst: int = 0, lull: float = 0.0, watch_cpu: int | None = None) -> None:
+    """Send the load; with `watch_cpu`, read that process's CPU time (every thread's, `/proc`) at each
+    request sent and each answer."""
     gc.disable()                            # the client's own pauses must not be charged to the server
     host, port = url.split("//")[1].split(":")
-    rows = asyncio.run(_send_all(host, int(port), schedule(rate, count, poisson, seed), timeout, burst, lull))
+    server_cpu = None
+    if watch_cpu:
+        from .procfs import cpu_ns
+        server_cpu = lambda: cpu_ns([watch_cpu])        # noqa: E731
+    rows = asyncio.run(_send_all(host, int(port), schedule(rate, count, poisson, seed), timeout, burst, lull,
+                                 server_cpu))
     print(json.dumps(rows))
 
 
@@ -708,6 +717,8 @@ class LoadResult:
     sent: list
     done: list
     status: list[int]
+    cpu_sent: list = field(default_factory=list)     # the server's CPU time (ns) as each was sent, where read
+    cpu_done: list = field(default_factory=list)     # ... and as its answer came
 
     @property
     def latencies_ms(self):
@@ -1067,19 +1078,32 @@ class ModelServer:
 
 
 def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool = True, seed: int = 0,
-             timeout: float | None = None, burst: int = 0, lull: float = 0.0) -> LoadResult:
+             timeout: float | None = None, burst: int = 0, lull: float = 0.0,
+             server_pid: int | None = None) -> LoadResult:
     """Send rate × duration requests on an open-loop schedule (in a process of its own) and wait
     for their answers; requests still unanswered `timeout` seconds after the start count as failed.
     `burst`: send them in bursts of that many, each `lull` seconds after the last answer to the one
     before: however slow the machine, the server is then idle that long between bursts.  Each
     burst then has as long after its last request is due (`timeout` - `duration`) as a load
-    without bursts has after its own last, so a slow server is not failed for the lulls' waits."""
+    without bursts has after its own last, so a slow server is not failed for the lulls' waits.
+    `server_pid`: the server's process, for a reader outside that sends the load itself (`gclab.outside.load`)."""
     count = max(1, int(rate * duration))
     timeout = timeout or duration + 5
-    bursts = -(-count // burst) if burst else 1
-    longest = timeout + (bursts - 1) * (timeout - duration + lull)     # each burst late by its whole slack
     argv = ["load", url, "--rate", str(rate), "--count", str(count), "--seed", str(seed),
             "--timeout", str(timeout), "--burst", str(burst), "--lull", str(lull)] + (["--poisson"] if poisson else [])
+    rows = outside.load(argv, server_pid) if server_pid else None
+    if rows is None:
+        rows = load_rows(argv)
+    return LoadResult(*[list(column) for column in zip(*rows)])
+
+
+def load_rows(argv: list[str]) -> list:
+    """Run the load generator with `argv` (`python -m gclab.serving` arguments) and return its rows."""
+    args = main_parser().parse_args(argv)
+    count, burst = args.count, args.burst
+    bursts = -(-count // burst) if burst else 1
+    duration = count / args.rate
+    longest = args.timeout + (bursts - 1) * (args.timeout - duration + args.lull)   # each burst late by its whole slack
     with tempfile.TemporaryFile(mode="w+") as errors:
         proc = _spawn(argv, errors)
         out: list[str] = []                 # its rows, printed as it exits
@@ -1091,10 +1115,9 @@ def run_load(url: str, rate: float = 200.0, duration: float = 4.0, poisson: bool
         proc.stdout.close()
         errors.seek(0)
         try:
-            rows = json.loads(out[0] if out else "")
+            return json.loads(out[0] if out else "")
         except ValueError:
             raise RuntimeError("the load generator failed: " + (errors.read().strip()[-800:] or "no output")) from None
-    return LoadResult(*[list(column) for column in zip(*rows)])
 
 
 @dataclass
@@ -1119,11 +1142,13 @@ class ServedRun:
 
 
 def measure(name: str, rate: float = 250.0, duration: float = 3.5, settle: float = 0.5, seed: int = 0,
-            burst: int = 0, lull: float = 0.0, **server_options) -> ServedRun:
-    """Start a server with `server_options` (see ModelServer), send it the open-loop load, wait
-    `settle` idle seconds (time for the policy's on_idle), read its trace, stop it."""
+            burst: int = 0, lull: float = 0.0, poisson: bool = True, **server_options) -> ServedRun:
+    """Start a server with `server_options` (see ModelServer), send it the open-loop load (Poisson
+    arrivals, or evenly spaced), wait `settle` idle seconds (time for the policy's on_idle), read its
+    trace, stop it."""
     with ModelServer(**server_options) as server:
-        load = run_load(server.url, rate=rate, duration=duration, seed=seed, burst=burst, lull=lull)
+        load = run_load(server.url, rate=rate, duration=duration, poisson=poisson, seed=seed, burst=burst, lull=lull,
+                        server_pid=server.proc.pid)
         time.sleep(settle)
         return ServedRun(name, load, server.trace(final=True))
 
@@ -1355,6 +1380,17 @@ def _full_collections_unwatched(handle, requests, enough: int) -> int:
 
 
 def main(argv=None) -> int:
+    args = main_parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after,
+              args.device_ms, args.workdir)
+    else:
+        load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout, args.burst, args.lull,
+                  args.watch_cpu)
+    return 0
+
+
+def main_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gclab.serving")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve")
@@ -1375,13 +1411,8 @@ def main(argv=None) -> int:
     c.add_argument("--timeout", type=float, default=60)
     c.add_argument("--burst", type=int, default=0)
     c.add_argument("--lull", type=float, default=0.0)
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        serve(args.heap_objects, args.attribution, args.policy, args.device, args.cache_size, args.idle_after,
-              args.device_ms, args.workdir)
-    else:
-        load_main(args.url, args.rate, args.count, args.poisson, args.seed, args.timeout, args.burst, args.lull)
-    return 0
+    c.add_argument("--watch-cpu", type=int, help="a process whose CPU time to read at each request sent and answered")
+    return parser
 
 
 if __name__ == "__main__":

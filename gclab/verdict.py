@@ -68,6 +68,25 @@ def _send_and_wait(channel: int, token: _Token, **message) -> None:
     _read(channel, 1)
 
 
+def _load_by_the_grader(channel: int, token: _Token, argv, server_pid) -> list | None:
+    """A load the grader sends itself (gclab.outside.load): its rows come back on the channel, their
+    length first; None where the grader refused it (then the program sends its own, which no figure of
+    the grader's confirms)."""
+    _send(channel, token, event="load", argv=[str(a) for a in argv], server=int(server_pid))
+    size = int.from_bytes(_read_exactly(channel, 8), "big")
+    return json.loads(_read_exactly(channel, size)) if size else None
+
+
+def _read_exactly(channel: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = _read(channel, size - len(data))
+        if not chunk:
+            raise EOFError("the grader closed the result channel")
+        data += chunk
+    return data
+
+
 def _json(value) -> str:
     """`value` (dicts, lists, strs, numbers, None) as JSON, by code of this module and functions in C
     alone: json.dumps, like any library function, would run whatever the learner's code rebound in its
@@ -224,6 +243,7 @@ def run(job: dict, channel: int) -> None:
     # the grader reads this process's CPU time at every mark of a run of calls (gclab.outside)
     from gclab import outside
     outside.read_by(lambda: _send_and_wait(channel, token, event="mark"))
+    outside.loads_by(lambda argv, server_pid: _load_by_the_grader(channel, token, argv, server_pid))
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
     # from here on, this module's names (and the builtins) as they are now, whatever the learner's
     # code rebinds through this module's __dict__ (a _run_test that says "passed")

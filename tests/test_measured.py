@@ -207,3 +207,40 @@ def test_a_test_whose_gpu_memory_grew_past_the_references_is_refuted_by_the_driv
     why = measured.confirm("passed", [["s", [1.0, 2.0]]], mine, ref)
     assert "300.0 MiB more GPU memory (the driver's figure) over the test" in why
     assert measured.confirm("passed", [["s", [1.0, 2.0]]], {**mine, "gpu_growth": 10 * MiB}, ref) is None
+
+
+def _row(sent, done, cpu_sent_ms, cpu_done_ms):
+    return [sent, sent, done, 200, int(cpu_sent_ms * 1e6), int(cpu_done_ms * 1e6)]
+
+
+def test_busy_stretches_are_the_servers_cpu_between_answers_while_requests_wait():
+    rows = [_row(0.0, 0.010, 0, 2),          # alone: 2 ms of CPU from its sending to its answer
+            _row(0.020, 0.140, 5, 108),       # idle from 0.010 to 0.020 (3 ms of CPU there: in no stretch)
+            _row(0.030, 0.150, 10, 110)]      # sent during the other's pause: it waits behind it too
+    assert [round(x * 1e3) for x in measured.busy_stretches(rows)] == [2, 103, 2]
+    assert measured.busy_stretches([[0.0, None, None, 0, None, None]]) == []       # never sent
+
+
+def _load(stretches, answered=None, key="--rate 250 --count 301"):
+    return {"key": key, "requests": len(stretches), "answered": len(stretches) if answered is None else answered,
+            "stretches": stretches}
+
+
+def test_a_servers_pauses_inside_requests_are_read_from_outside_against_the_budget():
+    ref = _ref()
+    ref["measured"]["loads"] = [_load([0.001] * 300 + [0.012])]
+    mine = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0}
+    quiet = {**mine, "loads": [_load([0.002] * 299 + [0.020, 0.030])]}
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], quiet, ref) is None
+    one_pause = {**mine, "loads": [_load([0.001] * 300 + [0.100])]}
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], one_pause, ref)
+    assert "found a moment in which it ran up to 100 ms of CPU with requests waiting" in why
+    assert "the reference solution's server ran at most 12.0 ms between two answers" in why
+    unanswered = {**mine, "loads": [_load([0.001] * 301, answered=250)]}
+    assert "at most 250 were answered (the reference's: 301)" in measured.confirm("passed", [["s", [1.0, 2.0]]],
+                                                                                  unanswered, ref)
+    assert "never asked to send the load" in measured.confirm("passed", [["s", [1.0, 2.0]]], mine, ref)
+    served_again = {**mine, "loads": [_load([0.001] * 301, answered=250), _load([0.002] * 301)]}   # a busy first run
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], served_again, ref) is None
+    other_load = {**mine, "loads": [_load([0.5] * 301, key="--rate 10 --count 301")]}
+    assert "never asked to send the load" in measured.confirm("passed", [["s", [1.0, 2.0]]], other_load, ref)
