@@ -234,8 +234,10 @@ def loads_disagree(loads: list, ref_loads: list) -> str | None:
     grader sent (`busy_stretches`), refutes a test's "passed", or None.  Loads are matched to the
     reference's by their schedule (a check may serve the same load again, or with the collector off).
     A stretch longer than twice the reference's longest (taken as at least 10 ms) plus 10 ms held requests
-    behind a pause the reference's never had: none may (the in-process rule allows no full collection
-    inside a request).  A pause shorter than that (a full collection over a frozen heap) is not seen."""
+    behind a pause the reference's never had: no more than one in a hundred may, as the P99 budget
+    allows (a busy machine, or a collection just as a request arrives, makes a few such).  So a full
+    collection in a request now and then, which the test's own rule forbids, is not refuted from
+    outside, nor is a pause shorter than the limit (a full collection over a frozen heap)."""
     for key in dict.fromkeys(ref["key"] for ref in ref_loads):
         ref = next(r for r in ref_loads if r["key"] == key)
         mine = [load for load in loads if load.get("key") == key]
@@ -249,13 +251,13 @@ def loads_disagree(loads: list, ref_loads: list) -> str | None:
         limit = 2 * max(max(ref["stretches"], default=0.0), STRETCH_FLOOR_S) + 0.010
         for load in mine:
             over = [x for x in load["stretches"] if x > limit]
-            if over:
+            if len(over) > len(load["stretches"]) // 100:
                 return (f"your process reported that the test passed, but the grader, sending the load itself and "
                         f"reading your server's CPU time at every request sent and answered, found "
                         f"{'a moment' if len(over) == 1 else f'{len(over)} moments'} in which it ran up to "
                         f"{max(over) * 1e3:.0f} ms of CPU with requests waiting, where "
                         f"the reference solution's server ran at most {max(ref['stretches'], default=0.0) * 1e3:.1f} "
-                        "ms between two answers: a collector pause inside requests")
+                        "ms between two answers: collector pauses inside requests, in more than one in a hundred")
     return None
 
 

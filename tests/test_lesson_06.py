@@ -219,8 +219,8 @@ def test_wrong_policies_are_told_what_failed(graded):
     # caught at the busier load on a quiet machine; on a busy one (the rest of the suite beside it) the first
     # load may already leave the server too few idle moments, and catches it there
     busier = message("freezes_and_collects_when_idle_without_raising_threshold")
-    assert "full (generation 2) collection(s) ran while requests were in flight" in busier, busier
-    assert "at a busier load" not in busier or "raise the third threshold" in busier, busier
+    assert _told_of_a_full_collection_inside_requests(busier), busier
+    assert "at a busier load" not in busier.lower() or "raise the third threshold" in busier, busier
 
 
 def test_freezing_while_serving_is_told_its_garbage_is_never_freed(graded):
@@ -243,8 +243,14 @@ def test_contended_verdicts_do_not_move(graded):
     assert solution.score == 6, grading.format_results([solution])
     # on a busy machine the server is idle less often within the load's bursts too: the first load may catch it
     busier = graded["contended_freezes_without_raising_threshold"]
-    assert busier.score == 0 and "full (generation 2) collection(s) ran while requests were in flight" in (
-        _message(busier)), grading.format_results([busier])
+    assert busier.score == 0 and _told_of_a_full_collection_inside_requests(_message(busier)), (
+        grading.format_results([busier]))
+
+
+def _told_of_a_full_collection_inside_requests(message: str) -> bool:
+    """At the graded load, or at the self-check's busier one (never idle)."""
+    return ("full (generation 2) collection(s) ran while requests were in flight" in message
+            or ("At a busier load" in message and "full collection(s) ran inside requests" in message))
 
 
 @pytest.mark.xfail(strict=False, reason=(

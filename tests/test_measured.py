@@ -232,9 +232,11 @@ def test_a_servers_pauses_inside_requests_are_read_from_outside_against_the_budg
     mine = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0}
     quiet = {**mine, "loads": [_load([0.002] * 299 + [0.020, 0.030])]}
     assert measured.confirm("passed", [["s", [1.0, 2.0]]], quiet, ref) is None
-    one_pause = {**mine, "loads": [_load([0.001] * 300 + [0.100])]}
-    why = measured.confirm("passed", [["s", [1.0, 2.0]]], one_pause, ref)
-    assert "found a moment in which it ran up to 100 ms of CPU with requests waiting" in why
+    three_pauses = {**mine, "loads": [_load([0.001] * 300 + [0.100] * 3)]}     # 1 in 100 may
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], three_pauses, ref) is None
+    four_pauses = {**mine, "loads": [_load([0.001] * 300 + [0.100] * 4)]}
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], four_pauses, ref)
+    assert "found 4 moments in which it ran up to 100 ms of CPU with requests waiting" in why
     assert "the reference solution's server ran at most 12.0 ms between two answers" in why
     unanswered = {**mine, "loads": [_load([0.001] * 301, answered=250)]}
     assert "at most 250 were answered (the reference's: 301)" in measured.confirm("passed", [["s", [1.0, 2.0]]],

@@ -490,12 +490,13 @@ def test_failed_requests_fail_the_policy():
     assert not report.ok and "1 request(s) got no answer" in report.explain()
 
 
-def _fake_measure(runs):
-    """A stand-in for gclab.serving.measure: each call serves the next run of the list."""
+def _fake_measure(runs, busier=None):
+    """A stand-in for gclab.serving.measure: each call serves the next run of the list; the busier load
+    (never idle), `busier` or a run with no collection."""
     calls = iter(runs)
 
     def measure(name, **options):
-        run = next(calls)
+        run = (busier or _run()) if "busier load" in name else next(calls)
         run.name = name
         return run
     return measure
@@ -846,3 +847,13 @@ def test_a_policy_that_stops_the_hooks_clocks_is_caught(tmp_path):
                                    "                    cell.cell_contents = float\n")
     assert any("the server's gc hook's thread_time was replaced" in t for t in trace.tampered), trace.tampered
 
+
+
+def test_a_full_collection_inside_a_request_at_the_busier_load_fails_as_a_fact():
+    from gclab.checks import PolicyReport
+    inside = _served(2, 3.002, 0.05, 0.04)             # request 3 is in flight from 3.0001 to 3.008
+    report = PolicyReport({"your policy": _run(), "busier load": _run(collections=[inside])})
+    assert not report.ok and report.failed_by_facts() == ["none at a busier load either"]
+    assert ("1 full collection(s) ran inside requests, the longest 50.0 ms (40.0 ms of CPU)"
+            in report.explain()), report.explain()
+    assert PolicyReport({"your policy": _run(), "busier load": _run()}).ok
