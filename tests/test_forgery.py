@@ -5,6 +5,7 @@ array over any address (`__array_interface__`) reads and rewrites memory with no
 submissions lie, each in its own way, about what their process did; the grader decides from what it
 measured itself (outputs compared with the reference solution's, what the system reports about the
 process) and each loses the points its code did not earn, with a reason a learner can read."""
+import nbformat
 import pytest
 
 from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, write_variants
@@ -241,10 +242,7 @@ def test_code_that_asks_for_its_parent_process_is_named_for_review(graded):
 @pytest.fixture(scope="module")
 def graded_03(tmp_path_factory):
     folder = tmp_path_factory.mktemp("forged_03")
-    variants = {"leaky": LEAKY_PAIR.format(extra=""), "cheat_rewrites_the_meters_count": REWRITES_THE_METERS_COUNT,
-                "collects_every_pair": LEAKY_PAIR.format(extra="gc.collect()"),
-                "cheat_collects_every_pair_and_relays_passed": (LEAKY_PAIR.format(extra="gc.collect()")
-                                                                + RELAYS_THE_CHANNEL_SAYING_PASSED)}
+    variants = {"leaky": LEAKY_PAIR.format(extra=""), "cheat_rewrites_the_meters_count": REWRITES_THE_METERS_COUNT}
     return grade_all(write_variants(RELEASE_03, variants, folder), folder)
 
 
@@ -258,10 +256,44 @@ def test_a_meter_rewritten_in_the_process_does_not_hide_a_leak_from_the_system(g
     assert result.score <= honest.score, grading.format_results([result, honest])
 
 
-def test_a_band_aid_collection_in_every_call_is_timed_from_outside_whatever_the_process_says(graded_03):
-    """gc.collect() in make_pair, every failure relayed as "passed": the grader times each make_pair call of
-    the pair test at its marks (gclab.outside) and finds a collection's CPU time in them."""
-    result, honest = graded_03["cheat_collects_every_pair_and_relays_passed"], graded_03["collects_every_pair"]
-    assert result.score <= honest.score == 0, grading.format_results([result, honest])
-    failed = cell_result(result, "test_pair_links")
-    assert "timing each of its" in failed.message and "Something collected inside them" in failed.message, failed.message
+
+# A toy lesson whose test calls the answer 30 times, each call marked for the grader (gclab.outside), and
+# checks for collections only at its end, so that a relayed "passed" comes with every output of the test.
+BAND_AID_TEST = """from gclab.gcwatch import GCWatch
+from gclab.outside import marked
+with GCWatch() as watch:
+    timed = marked(double)
+    got = [timed(i) for i in range(30)]
+checks.observe("doubles", got)
+assert not watch.collections, f"the collector ran {watch.count()} times while double() was called"
+"""
+COLLECTS_IN_EVERY_CALL = "import gc\ndef double(x):\n    gc.collect()\n    return 2 * x\n"
+
+
+@pytest.fixture(scope="module")
+def graded_band_aid(tmp_path_factory):
+    from toy_course import lesson, make_course
+    folder = tmp_path_factory.mktemp("band_aid")
+
+    def toy(answer):
+        return lesson(answer, [("test_double", BAND_AID_TEST, 2)], setup="import gc\nfrom gclab import checks")
+    course = make_course(folder / "course", {"toy": toy("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n"
+                                                         "### END SOLUTION")})
+    paths = {}
+    for name, answer in {"collects_in_every_call": COLLECTS_IN_EVERY_CALL,
+                         "cheat_collects_in_every_call_and_relays_passed":
+                             COLLECTS_IN_EVERY_CALL + RELAYS_THE_CHANNEL_SAYING_PASSED}.items():
+        paths[name] = folder / f"{name}-toy.ipynb"
+        nbformat.write(toy(answer), paths[name])
+    return dict(zip(paths, grading.grade(list(paths.values()), root=course)))
+
+
+def test_a_band_aid_collection_in_every_call_is_timed_from_outside_whatever_the_process_says(graded_band_aid):
+    """gc.collect() in every call of the answer, the failed check relayed as "passed" with the test's outputs:
+    the grader, reading the process's CPU time at every call's mark, finds a collection's worth in each."""
+    honest, lying = graded_band_aid["collects_in_every_call"], graded_band_aid["cheat_collects_in_every_call_and_relays_passed"]
+    assert honest.score == lying.score == 0, grading.format_results([honest, lying])
+    assert "the collector ran 30 times" in honest.tests[0].message, honest.tests[0].message
+    message = lying.tests[0].message
+    assert "timing each of its 30 calls" in message and "Something collected inside them" in message, message
+    assert lying.disagreements, "refuted by the grader's own figures: listed for review"
