@@ -1,6 +1,7 @@
 """Grading a class as an instructor does: nbgrader's layout in, gradebook, feedback and a
 report out, and nothing of a hidden test handed back."""
 import contextlib
+import csv
 import io
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab import classroom, feedback, gradebook, grading
+from gclab import classroom, feedback, gradebook, grading, report
 from lesson_support import handed_back_text, leaked_lines
 from toy_course import lesson, make_course
 
@@ -25,14 +26,23 @@ def _lesson(answer):
                                            f"### BEGIN HIDDEN TESTS\n{HIDDEN_LINE}\n### END HIDDEN TESTS", 2)])
 
 
-ANSWERS = {"ada": "def double(x):\n    return 2 * x", "bob": "def double(x):\n    return x + 2 if x == 2 else x",
-           "cy": "raise NotImplementedError()"}
+RIGHT = "def double(x):\n    return 2 * x"
+ENDLESS = "while True:\n    pass\n" + RIGHT
+ANSWERS = {"ada": RIGHT, "bob": "def double(x):\n    return x + 2 if x == 2 else x",
+           "cy": "raise NotImplementedError()", "dan": ENDLESS}
+CELL_TIMEOUT = 8            # the course's own setting (c.Execute.timeout), so that dan's loop is stopped soon
+
+
+def _toy_course(folder: Path) -> Path:
+    root = make_course(folder, {"toy": _lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION")})
+    with open(root / "autograder" / "nbgrader_config.py", "a") as config:
+        config.write(f"\nc.Execute.timeout = {CELL_TIMEOUT}\n")
+    return root
 
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
-    root = make_course(tmp_path_factory.mktemp("course"), {
-        "toy": _lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION")})
+    root = _toy_course(tmp_path_factory.mktemp("course"))
     for student, answer in ANSWERS.items():
         (root / "submitted" / student / "toy").mkdir(parents=True)
         nbformat.write(_lesson(answer), root / "submitted" / student / "toy" / "toy.ipynb")
@@ -59,12 +69,15 @@ def graded(course):
     with contextlib.redirect_stderr(told):
         assert main(["--course", str(course), "grade", "--jobs", "2"]) == 0
     first = gradebook.scores(gradebook.db_url(course))
-    assert main(["--course", str(course), "grade"]) == 0
-    return {"first": first, "second": gradebook.scores(gradebook.db_url(course)), "told": told.getvalue()}
+    told_again = io.StringIO()
+    with contextlib.redirect_stderr(told_again):
+        assert main(["--course", str(course), "grade"]) == 0
+    return {"first": first, "second": gradebook.scores(gradebook.db_url(course)), "told": told.getvalue(),
+            "told_again": told_again.getvalue()}
 
 
 def test_every_submission_is_graded_into_the_gradebook(graded):
-    assert graded["second"] == {("ada", "toy"): 2.0, ("bob", "toy"): 0.0, ("cy", "toy"): 0.0,
+    assert graded["second"] == {("ada", "toy"): 2.0, ("bob", "toy"): 0.0, ("cy", "toy"): 0.0, ("dan", "toy"): 0.0,
                                 ("dee", "toy"): 2.0, ("eve", "toy"): 2.0}
 
 
@@ -81,23 +94,44 @@ def test_stray_notebooks_are_skipped_and_a_lone_renamed_one_is_graded_as_the_les
 def test_the_instructor_is_told_each_submission_as_it_is_graded(graded):
     lines = [line for line in graded["told"].splitlines() if line.startswith("[")]
     assert sorted(line.split("] ")[1] for line in lines) == [
-        "ada toy: 2/2", "bob toy: 0/2", "cy toy: 0/2", "dee toy: 2/2", "eve toy: 2/2"], graded["told"]
-    assert [line.split("]")[0] for line in lines] == [f"[{k}/5" for k in range(1, 6)]
+        "ada toy: 2/2", "bob toy: 0/2", "cy toy: 0/2", "dan toy: 0/2", "dee toy: 2/2", "eve toy: 2/2"], graded["told"]
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/6" for k in range(1, 7)]
 
 
-def test_an_interrupted_class_says_what_was_kept(course, monkeypatch, capsys):
+def test_an_answer_cell_that_never_ends_is_said_to_have_been_stopped(course, graded):
+    text = (course / "feedback" / "dan" / "toy" / "toy.md").read_text()
+    assert f"your answer cell answer ran past {CELL_TIMEOUT} seconds and was stopped" in text, text
+    causes = {row["cause"]: row["students"] for row in csv.DictReader((course / "reports" / "causes.csv").open())}
+    assert causes[report.ANSWER_STOPPED] == "dan", causes
+
+
+def test_an_interrupted_class_says_what_was_kept_and_sets_the_last_report_aside(course, graded, tmp_path,
+                                                                                 monkeypatch, capsys):
     from gclab.__main__ import main
+    copy = tmp_path / "course"
+    shutil.copytree(course, copy)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(classroom, "grade_submission", interrupted)
-    assert main(["--course", str(course), "grade"]) == 130
+    assert main(["--course", str(copy), "grade"]) == 130
     told = capsys.readouterr().err
     assert "interrupted: the submissions graded so far are in the gradebook" in told and "Traceback" not in told
+    assert report.unfinished(copy / "reports") and "Class report: not written yet" in (
+        copy / "reports" / "report.html").read_text()
+    assert (copy / "reports" / "previous" / "report.html").read_text() == (course / "reports" / "report.html").read_text()
+    assert not (copy / "reports" / "scores.csv").exists()
 
 
 def test_regrading_gives_the_same_gradebook(graded):
     assert graded["first"] == graded["second"]
+
+
+def test_a_regrade_grades_again_only_what_changed(graded):
+    """The second run found every submission and its lesson as they were: no submission was graded again."""
+    lines = [line for line in graded["told_again"].splitlines() if line.startswith("[")]
+    assert len(lines) == 6 and all(line.endswith("(unchanged since it was last graded: that grade stands)")
+                                   for line in lines), graded["told_again"]
 
 
 def test_nbgrader_export_sees_the_scores(course, graded):
@@ -135,25 +169,67 @@ def test_the_leak_search_finds_a_planted_line(course, graded, tmp_path):
         ("ada/toy/toy.md", HIDDEN_LINE)]
 
 
-def test_nbgraders_own_feedback_keeps_no_hidden_line(course, graded, tmp_path):
-    """As nbgrader's own autograde leaves a notebook: hidden tests in the test cell and a
-    traceback quoting them.  generate_feedback, run from autograder/, hides both."""
-    nb = nbformat.read(course / "solutions" / "toy" / "toy.ipynb", 4)
-    test = nb.cells[2]
-    test.outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="double(5) is not 10",
-                                           traceback=[f"----> 4 {HIDDEN_LINE}", "AssertionError: double(5) is not 10"])]
-    nbformat.write(nb, course / "autograded" / "bob" / "toy" / "toy.ipynb")
-    done = subprocess.run([str(NBGRADER), "generate_feedback", "toy", "--force"], cwd=course / "autograder",
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    page = handed_back_text(course / "feedback" / "bob" / "toy" / "toy.html")
-    assert "double(5) is not 10" in page and HIDDEN_LINE not in page
+NAMED_AS_THE_LESSON = ("ada", "bob", "cy", "dan", "dee")      # eve's notebook is "toy (1).ipynb"
 
 
-def test_nbgraders_autograde_is_refused_with_a_reason(course, graded):
+def _what_grade_class_wrote(course: Path) -> dict:
+    return {student: {"notebook": nbformat.read(course / "autograded" / student / "toy" / "toy.ipynb", 4),
+                      "page": (course / "feedback" / student / "toy" / "toy.html").read_text(),
+                      "markdown": (course / "feedback" / student / "toy" / "toy.md").read_text()}
+            for student in NAMED_AS_THE_LESSON}
+
+
+@pytest.fixture(scope="module")
+def autograded_by_nbgrader(course, graded):
+    """The same submissions graded again by nbgrader's own `nbgrader autograde` (run from autograder/, as the
+    README says), after `make grade-class` graded them."""
+    before = {"scores": gradebook.scores(gradebook.db_url(course)), "written": _what_grade_class_wrote(course)}
     done = subprocess.run([str(NBGRADER), "autograde", "toy", "--force"], cwd=course / "autograder",
                           capture_output=True, text=True)
-    assert "graded with `make grade-class`" in done.stdout + done.stderr
+    return {"before": before, "done": done, "scores": gradebook.scores(gradebook.db_url(course)),
+            "written": _what_grade_class_wrote(course)}
+
+
+def test_nbgraders_autograde_grades_with_the_course_as_grade_class_does(autograded_by_nbgrader):
+    after, before = autograded_by_nbgrader, autograded_by_nbgrader["before"]
+    for student in NAMED_AS_THE_LESSON:
+        assert after["scores"][(student, "toy")] == before["scores"][(student, "toy")], student
+        assert after["written"][student] == before["written"][student], student
+    log = after["done"].stderr
+    assert "bob toy: 0 / 2, graded by the course's grader" in log and "dan toy: 0 / 2" in log, log
+
+
+def test_nbgraders_autograde_skips_a_notebook_not_named_as_the_lessons(autograded_by_nbgrader):
+    """nbgrader's own rule, which its converter applies before any step of the course's: eve's "toy (1).ipynb"
+    is not graded (make grade-class grades a lone renamed notebook as the lesson's)."""
+    assert "Skipping unknown notebook" in autograded_by_nbgrader["done"].stderr
+    assert "There was an error processing assignment 'toy' for student 'eve'" in autograded_by_nbgrader["done"].stderr
+    assert autograded_by_nbgrader["scores"][("eve", "toy")] == 2.0
+
+
+def test_the_formgraders_autograde_button_grades_with_the_course(course, autograded_by_nbgrader):
+    """The button calls NbGraderAPI.autograde (force=True) in the Formgrader's own process."""
+    from nbgrader.apps import NbGraderAPI
+    from traitlets.config.loader import PyFileConfigLoader
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(course / "autograder")).load_config()
+    api = NbGraderAPI(config=config)
+    done = api.autograde("toy", "ada")
+    assert done["success"], done.get("error")
+    shown = api.get_submission("toy", "ada")
+    assert shown["autograded"] and shown["score"] == shown["max_score"] == 2.0, shown
+    assert (course / "autograded" / "ada" / "toy" / "toy.ipynb").is_file()
+    assert "ada toy: 2 / 2, graded by the course's grader" in done["log"]
+
+
+def test_nbgraders_generate_feedback_writes_the_courses_own_pages(course, autograded_by_nbgrader):
+    done = subprocess.run([str(NBGRADER), "generate_feedback", "toy", "--force"], cwd=course / "autograder",
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    written = _what_grade_class_wrote(course)
+    for student in NAMED_AS_THE_LESSON:
+        for kind in ("page", "markdown"):
+            assert written[student][kind] == autograded_by_nbgrader["written"][student][kind], (student, kind)
+    assert not list((course / "feedback").rglob("*.json")), "nothing but the pages goes into feedback/"
 
 
 def test_the_class_report_is_written(course, graded):
@@ -186,3 +262,18 @@ def test_the_graded_notebook_keeps_every_copy_of_an_answer_cell():
     assert [c.source for c in graded.cells] == [release.cells[0].source, submitted.cells[1].source, copy.source,
                                                 release.cells[2].source]
     assert "[passed] test_double: 2 / 2" in graded.cells[3].outputs[0].text
+
+
+def test_nbgraders_own_feedback_keeps_no_hidden_line(course, graded, tmp_path):
+    """As nbgrader's own autograde (not the course's) leaves a notebook: hidden tests in the test cell and a
+    traceback quoting them.  generate_feedback, run from autograder/, hides both.  (Last: it overwrites bob's.)"""
+    nb = nbformat.read(course / "solutions" / "toy" / "toy.ipynb", 4)
+    test = nb.cells[2]
+    test.outputs = [nbformat.v4.new_output("error", ename="AssertionError", evalue="double(5) is not 10",
+                                           traceback=[f"----> 4 {HIDDEN_LINE}", "AssertionError: double(5) is not 10"])]
+    nbformat.write(nb, course / "autograded" / "bob" / "toy" / "toy.ipynb")
+    done = subprocess.run([str(NBGRADER), "generate_feedback", "toy", "--force"], cwd=course / "autograder",
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = handed_back_text(course / "feedback" / "bob" / "toy" / "toy.html")
+    assert "double(5) is not 10" in page and HIDDEN_LINE not in page
