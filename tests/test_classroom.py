@@ -3,9 +3,12 @@ report out, and nothing of a hidden test handed back."""
 import contextlib
 import csv
 import io
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -277,3 +280,170 @@ def test_nbgraders_own_feedback_keeps_no_hidden_line(course, graded, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     page = handed_back_text(course / "feedback" / "bob" / "toy" / "toy.html")
     assert "double(5) is not 10" in page and HIDDEN_LINE not in page
+
+
+# -- a regrade after a resubmission, with scores set by hand in the Formgrader ---------------------------
+WRONG = ANSWERS["bob"]
+
+
+def _submit(root: Path, student: str, answer: str) -> None:
+    (root / "submitted" / student / "toy").mkdir(parents=True, exist_ok=True)
+    nbformat.write(_lesson(answer), root / "submitted" / student / "toy" / "toy.ipynb")
+
+
+def _set_by_hand(db_url: str, student: str, score: float) -> None:
+    """What the Formgrader does when an instructor types a score into a test cell."""
+    with gradebook.opened(db_url) as book:
+        book.find_grade("test_double", "toy", "toy", student).manual_score = score
+        book.db.commit()
+
+
+def _grade(root: Path, *options) -> str:
+    from gclab.__main__ import main
+    told = io.StringIO()
+    with contextlib.redirect_stderr(told), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["--course", str(root), "grade", *options]) == 0
+    return told.getvalue()
+
+
+@pytest.fixture(scope="module")
+def resubmitted(tmp_path_factory):
+    """ada and bob graded; the instructor sets 1 of 2 by hand on each; bob resubmits a right answer; the
+    class is graded again."""
+    root = _toy_course(tmp_path_factory.mktemp("resubmitted"))
+    _submit(root, "ada", RIGHT)
+    _submit(root, "bob", WRONG)
+    _grade(root)
+    db_url = gradebook.db_url(root)
+    for student in ("ada", "bob"):
+        _set_by_hand(db_url, student, 1.0)
+    _submit(root, "bob", RIGHT)
+    told = _grade(root)
+    return {"root": root, "told": told, "scores": gradebook.scores(db_url)}
+
+
+def _told_lines(told: str) -> dict:
+    return {line.split("] ")[1].split(" toy")[0]: line for line in told.splitlines() if line.startswith("[")}
+
+
+def test_a_resubmission_is_the_only_submission_graded_again(resubmitted):
+    lines = _told_lines(resubmitted["told"])
+    assert "unchanged since it was last graded" in lines["ada"], resubmitted["told"]
+    assert lines["bob"].endswith("bob toy: 2/2"), resubmitted["told"]
+
+
+def test_a_score_set_by_hand_stands_where_the_automatic_score_is_the_same(resubmitted):
+    root = resubmitted["root"]
+    assert resubmitted["scores"][("ada", "toy")] == 1.0
+    assert "by hand: test_double: 1 / 2 set by hand stands over the automatic 2" in resubmitted["told"]
+    page = (root / "feedback" / "ada" / "toy" / "toy.md").read_text()
+    assert "**Score: 1 / 2**" in page and "scored by your instructor: 1 / 2; the automatic score was 2" in page
+    done = subprocess.run([str(NBGRADER), "export"], cwd=root / "autograder", capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    exported = {row["student_id"]: float(row["score"])
+                for row in csv.DictReader((root / "autograder" / "grades.csv").open())}
+    assert exported == {"ada": 1.0, "bob": 2.0}
+
+
+def test_a_score_set_by_hand_is_cleared_and_said_when_a_regrade_changes_the_automatic_score(resubmitted):
+    root = resubmitted["root"]
+    assert resubmitted["scores"][("bob", "toy")] == 2.0
+    said = ("by hand: test_double: the score set by hand (1 / 2) was cleared, since the automatic score under it "
+            "changed from 0 to 2")
+    assert said in resubmitted["told"], resubmitted["told"]
+    assert "**Score: 2 / 2**" in (root / "feedback" / "bob" / "toy" / "toy.md").read_text()
+    page = (root / "reports" / "report.html").read_text()
+    assert "<h2>Scores set by hand</h2>" in page and "was cleared" in page and "stands over" in page
+    review = list(csv.DictReader((root / "reports" / "review.csv").open()))
+    assert {row["student"] for row in review if row["line"].startswith("by hand: ")} == {"ada", "bob"}
+
+
+def test_nbgraders_generate_feedback_shows_a_score_set_by_hand_after_grading(resubmitted):
+    """The nbgrader way: autograde, then a score by hand in the Formgrader, then Generate Feedback."""
+    root = resubmitted["root"]
+    _set_by_hand(gradebook.db_url(root), "bob", 0.5)
+    done = subprocess.run([str(NBGRADER), "generate_feedback", "toy", "--force"], cwd=root / "autograder",
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    page = (root / "feedback" / "bob" / "toy" / "toy.md").read_text()
+    assert "**Score: 0.5 / 2**" in page and "scored by your instructor: 0.5 / 2" in page
+    assert "scored by your instructor: 0.5 / 2" in handed_back_text(root / "feedback" / "bob" / "toy" / "toy.html")
+
+
+def test_force_grades_every_submission_again(resubmitted):
+    lines = _told_lines(_grade(resubmitted["root"], "--force"))
+    assert len(lines) == 2 and not any("unchanged" in line for line in lines.values()), lines
+
+
+# -- a grading run stopped before its end ------------------------------------------------------------------
+SLOW = "import time\ntime.sleep(60)\n" + RIGHT       # stopped at the course's cell timeout
+
+
+def _start_grading(root: Path, scratch: Path) -> subprocess.Popen:
+    """`gclab grade` on the class in a process of its own, its temporary folders under `scratch`."""
+    env = dict(os.environ, TMPDIR=str(scratch))
+    return subprocess.Popen([sys.executable, "-m", "gclab", "--course", str(root), "grade"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _when_grading(scratch: Path, process: subprocess.Popen) -> None:
+    """Wait until a submission is being graded: its grading folder (named as the lesson's) exists."""
+    while not list(scratch.glob("*/*/toy")):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.2)
+
+
+def _grading_folders(scratch: Path) -> list[Path]:
+    """The temporary folders of gradings (not torch's own caches, which any run of torch keeps there)."""
+    return sorted(path for path in scratch.iterdir() if path.name.startswith("tmp"))
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A class graded once; then ada resubmits an answer that sleeps, and the run grading it is stopped
+    with SIGTERM, a second with SIGKILL; then a run is left to finish."""
+    root = _toy_course(tmp_path_factory.mktemp("stopped"))
+    scratch = tmp_path_factory.mktemp("scratch")
+    _submit(root, "ada", RIGHT)
+    _grade(root)
+    finished = (root / "reports" / "report.html").read_text()
+    _submit(root, "ada", SLOW)
+    runs = {}
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        process = _start_grading(root, scratch)
+        _when_grading(scratch, process)
+        process.send_signal(signal_number)
+        out, err = process.communicate(timeout=60)
+        runs[signal_number] = {"code": process.returncode, "err": err, "left": _grading_folders(scratch),
+                               "page": (root / "reports" / "report.html").read_text()}
+    process = _start_grading(root, scratch)
+    process.communicate(timeout=300)
+    return {"root": root, "finished": finished, "runs": runs, "left_after": _grading_folders(scratch),
+            "scores": gradebook.scores(gradebook.db_url(root))}
+
+
+def test_a_run_stopped_by_sigterm_says_so_and_leaves_no_temporary_folder(stopped):
+    run = stopped["runs"][signal.SIGTERM]
+    assert run["code"] == 128 + signal.SIGTERM, run["err"]
+    assert "stopped by SIGTERM: the gradings under way were ended and not recorded" in run["err"]
+    assert run["left"] == []
+
+
+def test_a_stopped_run_leaves_no_report_that_looks_current(stopped):
+    for run in stopped["runs"].values():
+        assert "Class report: not written yet" in run["page"] and "previous/report.html" in run["page"]
+    assert (stopped["root"] / "reports" / "report.html").read_text() != stopped["finished"]
+
+
+def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(stopped):
+    assert stopped["runs"][signal.SIGKILL]["left"], "SIGKILL leaves the folder of the grading under way"
+    assert stopped["left_after"] == []
+    assert not list((stopped["root"] / classroom.RUNS).iterdir())
+    assert not report.unfinished(stopped["root"] / "reports")
+    assert not (stopped["root"] / "reports" / "previous").exists()
+
+
+def test_a_stopped_grading_is_not_recorded_and_the_next_run_grades_it(stopped):
+    page = (stopped["root"] / "feedback" / "ada" / "toy" / "toy.md").read_text()
+    assert f"ran past {CELL_TIMEOUT} seconds and was stopped" in page
+    assert stopped["scores"] == {("ada", "toy"): 0.0}
