@@ -253,6 +253,16 @@ def test_feedback_escapes_what_it_shows():
     assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
 
 
+def test_the_feedback_page_wraps_long_self_check_lines():
+    printed = "self-check: " + "memory grew by 512.00 KiB at step 7; " * 20
+    result = grading.NotebookResult("x.ipynb", 0, 1, [grading.TestResult("t", 0, 1, "failed", "leak", printed)],
+                                    "toy", lesson_notebook="toy")
+    page = feedback.page(result, nbformat.v4.new_notebook())
+    style = page.split("<style>")[1].split("</style>")[0]
+    assert "pre{" in style and "white-space:pre-wrap" in style.split("pre{")[1].split("}")[0]
+    assert printed.rstrip() in page
+
+
 def test_the_graded_notebook_keeps_every_copy_of_an_answer_cell():
     """A copied answer cell keeps its grade_id and every copy is graded: the learner gets back each."""
     release = _lesson("raise NotImplementedError()")
