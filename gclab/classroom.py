@@ -21,6 +21,7 @@ from it.  `Settings.force` grades every one again.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -146,7 +147,8 @@ def grade_submission(submission: Submission, settings: Settings) -> GradedSubmis
     except Exception:
         submitted_nb = release_nb
     feedback.write(result, release_nb, submitted_nb, autograded, settings.out / "feedback" / where, by_hand)
-    keep_grade(kept, key, result)
+    if regraded:
+        keep_grade(kept, key, result)
     for folder in ("autograded", "feedback"):
         _copy_submission_records(submission.path.parent, settings.out / folder / where)
     return as_recorded(result, by_hand, regraded)
@@ -169,8 +171,13 @@ def grading_key(submission: Submission, settings: Settings) -> str:
 
 
 def keep_grade(path: Path, key: str, result: grading.NotebookResult) -> None:
+    """Keep `result` at `path` as given for `key`: every field (what the tests observed, for the grader's
+    comparison alone, excepted), so that `last_grade` gives back the same result."""
+    kept = dataclasses.asdict(result)
+    for test in kept["tests"]:
+        test.pop("observed", None)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "result": result.as_dict()}))
+    path.write_text(json.dumps({"key": key, "result": kept}))
 
 
 def last_grade(path: Path, key: str) -> grading.NotebookResult | None:

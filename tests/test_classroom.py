@@ -253,6 +253,16 @@ def test_feedback_escapes_what_it_shows():
     assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
 
 
+def test_a_kept_grade_comes_back_as_it_was_given(tmp_path):
+    test = grading.TestResult("t", 1, 2, "failed", "leak", "printed", measured={"cpu_s": 0.5, "calls": [0.1, 0.2]})
+    result = grading.NotebookResult("x.ipynb", 1, 2, [test], "toy", student="ada", lesson_notebook="toy",
+                                    review=["gc.isenabled()"], disagreements=["t: refuted"])
+    classroom.keep_grade(tmp_path / "toy.json", "key", result)
+    again = classroom.last_grade(tmp_path / "toy.json", "key")
+    assert again == result and again.as_dict() == result.as_dict()
+    assert classroom.last_grade(tmp_path / "toy.json", "another key") is None
+
+
 def test_the_feedback_page_wraps_long_self_check_lines():
     printed = "self-check: " + "memory grew by 512.00 KiB at step 7; " * 20
     result = grading.NotebookResult("x.ipynb", 0, 1, [grading.TestResult("t", 0, 1, "failed", "leak", printed)],
