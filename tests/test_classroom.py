@@ -253,6 +253,23 @@ def test_feedback_escapes_what_it_shows():
     assert "<script>" not in page and "&lt;script&gt;" in page and "<i>" not in page
 
 
+def test_a_grade_is_given_for_the_submissions_and_the_lessons_content(tmp_path):
+    root = _toy_course(tmp_path / "course")
+    _submit(root, "ada", RIGHT)
+    [submission] = classroom.find_submissions(root / "submitted", root)
+    settings = classroom.settings_for(root)
+    first = classroom.grading_key(submission, settings)
+    assert classroom.grading_key(submission, settings) == first
+    source = root / "solutions" / "toy" / "toy.ipynb"
+    lesson_changed = nbformat.read(source, 4)
+    lesson_changed.cells.append(nbformat.v4.new_markdown_cell("One more word."))
+    nbformat.write(lesson_changed, source)
+    assert classroom.grading_key(submission, settings) != first
+    after_lesson = classroom.grading_key(submission, settings)
+    _submit(root, "ada", RIGHT + "\n# resubmitted")
+    assert classroom.grading_key(submission, settings) not in (first, after_lesson)
+
+
 def test_a_kept_grade_comes_back_as_it_was_given(tmp_path):
     test = grading.TestResult("t", 1, 2, "failed", "leak", "printed", measured={"cpu_s": 0.5, "calls": [0.1, 0.2]})
     result = grading.NotebookResult("x.ipynb", 1, 2, [test], "toy", student="ada", lesson_notebook="toy",
