@@ -111,9 +111,11 @@ def test_regrading_is_idempotent(graded):
 
 
 def test_the_instructor_is_told_each_submission_as_the_cluster_grades_it(graded):
+    """The second run on the cluster found every submission unchanged: each is told, with its grade kept."""
     lines = [line for line in graded["again"]["told"].splitlines() if line.startswith("[")]
     assert sorted(line.split("] ")[1] for line in lines) == sorted(
-        f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g}" for r in graded["first"]["results"]), lines
+        f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g} (unchanged since it was last graded: that grade "
+        "stands)" for r in graded["first"]["results"]), lines
     assert [line.split("]")[0] for line in lines] == [f"[{k}/6" for k in range(1, 7)]
 
 
