@@ -182,11 +182,9 @@ def test_nbgraders_autograde_and_export_use_it_too(configured):
 SLOW = "import time\ntime.sleep(12)\n" + RIGHT
 
 
-@pytest.fixture(scope="module")
-def worker_lost(tmp_path_factory, postgres):
+def _kill_the_worker_grading_zed(tmp: Path, db_url: str) -> dict:
     """Six submissions on two workers of one slot; the worker grading the slow one (zed's, last) is killed
     once zed's grading has started, after others finished."""
-    tmp = tmp_path_factory.mktemp("lost")
     course, out, submitted = tmp / "course", tmp / "out", tmp / "submitted"
     toy_course.make_course(course, {"toy": _lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION")})
     answers = {"amy": RIGHT, "ben": WRONG, "cat": RIGHT, "dov": WRONG, "eli": RIGHT, "zed": SLOW}
@@ -194,7 +192,7 @@ def worker_lost(tmp_path_factory, postgres):
         (submitted / student / "toy").mkdir(parents=True)
         nbformat.write(_lesson(answer), submitted / student / "toy" / "toy.ipynb")
     grading.prepare(course, "toy")
-    settings = classroom.settings_for(course, out=out, db_url=postgres.create_database("lost"), memory_limit=None)
+    settings = classroom.settings_for(course, out=out, db_url=db_url, memory_limit=None)
     told = io.StringIO()
     progress = classroom.Progress(len(answers), out=told)
     with cluster.local_cluster(threads=1, workers=2) as local, Client(local) as client, ThreadPoolExecutor(1) as pool:
@@ -209,7 +207,21 @@ def worker_lost(tmp_path_factory, postgres):
     started_after = [str(key).split("-")[1] for tasks in spans.values() for key, (start, _) in tasks.items()
                      if start > killed_at]
     return {"results": results, "told": told.getvalue(), "finished_before": finished_before,
-            "started_after": started_after}
+            "started_after": started_after, "out": out}
+
+
+@pytest.fixture(scope="module")
+def worker_lost(tmp_path_factory, postgres):
+    return _kill_the_worker_grading_zed(tmp_path_factory.mktemp("lost"), postgres.create_database("lost"))
+
+
+@pytest.fixture(scope="module")
+def given_up(tmp_path_factory, postgres):
+    """The same, on a cluster that gives a task up the first time a worker dies while running it (Dask's
+    allowed-failures, 3 by default, set to 0)."""
+    import dask
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        return _kill_the_worker_grading_zed(tmp_path_factory.mktemp("given_up"), postgres.create_database("given_up"))
 
 
 def _told_students(told: str) -> list[str]:
@@ -241,3 +253,15 @@ def test_a_lost_worker_is_said_with_the_grading_it_lost_and_that_grading_runs_ag
 def test_a_lost_worker_costs_no_finished_grading(worker_lost):
     assert worker_lost["finished_before"], "the kill came after some submissions were graded"
     assert not set(worker_lost["finished_before"]) & set(worker_lost["started_after"]), worker_lost
+
+
+def test_a_submission_the_cluster_gives_up_on_is_said_and_left_out(given_up):
+    """zed's grading, and any the lost worker held queued, each given up: said, and out of the results and report."""
+    told = given_up["told"]
+    said = next(line for line in told.splitlines() if line.startswith("not graded ("))
+    assert "run the same command again to grade them" in said and "zed toy: KilledWorker" in said, told
+    left_out = {name for name in ("amy", "ben", "cat", "dov", "eli", "zed") if f"{name} toy: KilledWorker" in said}
+    graded = sorted(r.student for r in given_up["results"])
+    assert graded == sorted({"amy", "ben", "cat", "dov", "eli", "zed"} - left_out)
+    scores = list(csv.DictReader((given_up["out"] / "reports" / "scores.csv").open()))
+    assert sorted(row["student"] for row in scores) == graded
