@@ -9,8 +9,8 @@
 #   make release SOURCE=URL       the same, first keeping URL as where the course lives (Colab;
 #                                 autograder/course.toml), e.g. https://github.com/OWNER/REPO@main
 #   make grade NB="a.ipynb b.ipynb"   grade notebooks, print the scores (GRADE_ARGS=--json)
-#   make grade-class              grade submitted/STUDENT/LESSON/: gradebook, feedback/, reports/
-#                                 (GRADE_ARGS="--jobs 2", or "--scheduler tcp://host:8786")
+#   make grade-class              grade submitted/STUDENT/LESSON/: gradebook, feedback/, reports/; again, only
+#                                 what changed (GRADE_ARGS="--jobs 2", "--force" for all, "--scheduler tcp://host:8786")
 #   make clean-grades             remove autograded/, feedback/ and reports/ (submissions and
 #                                 the gradebook are kept)
 #   make bench                    gclab bench on this machine

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
     g.add_argument("--scheduler", help="grade on a Dask cluster: its scheduler's address, or 'local' for "
                                        "one local worker with --jobs grading slots (see gclab.cluster)")
     g.add_argument("--json", action="store_true", help="print the results as JSON")
+    g.add_argument("--force", action="store_true",
+                   help="a class: grade every submission again, also those that did not change (nor did their "
+                        "lesson) since they were last graded, whose grades otherwise stand")
     g.add_argument("--timeout", type=int, default=900, help="seconds allowed per notebook (default 900)")
     g.add_argument("--cell-timeout", type=int, help="seconds allowed per cell (default: autograder/nbgrader_config.py)")
     g.add_argument("--jobs", type=int, default=1,
@@ -91,15 +95,19 @@ def main(argv=None) -> int:
         if missing:
             parser.error("no such notebook: " + ", ".join(missing))
         a_class = not args.notebooks or args.submissions
+        kept = ("the submissions graded so far are in the gradebook, autograded/ and feedback/ (reports/ holds no "
+                "report of this run); the same command grades the rest" if a_class else "nothing was written")
         try:
             results = _grade_class(args, parser) if a_class else grading.grade(
                 args.notebooks, root=args.course, timeout=args.timeout, memory_limit=args.memory_limit,
                 cell_timeout=args.cell_timeout, jobs=max(1, args.jobs))
         except KeyboardInterrupt:
-            print("\ninterrupted: " + ("the submissions graded so far are in the gradebook, autograded/ and "
-                                       "feedback/; the same command grades the whole class again" if a_class
-                                       else "nothing was written"), file=sys.stderr)
+            print(f"\ninterrupted: {kept}", file=sys.stderr)
             return 130
+        except _Stopped as stop:
+            print(f"\nstopped by {stop.args[0]}: the gradings under way were ended and not recorded; {kept}",
+                  file=sys.stderr)
+            return 128 + stop.args[1]
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
     if args.command == "gpu-check":
@@ -110,6 +118,10 @@ def main(argv=None) -> int:
     return bench.main(args.course or grading.find_course_root(), args.lessons)
 
 
+class _Stopped(Exception):
+    """(signal name, number): the grading of a class was told to stop."""
+
+
 def _grade_class(args, parser):
     from . import classroom, grading
     root = args.course or grading.find_course_root()
@@ -118,13 +130,42 @@ def _grade_class(args, parser):
     if not submissions:
         parser.error(f"no submission under {submitted} (expected {submitted}/STUDENT/LESSON/NOTEBOOK.ipynb)")
     settings = classroom.settings_for(root, out=args.out, db_url=args.db_url, timeout=args.timeout,
-                                      memory_limit=args.memory_limit, cell_timeout=args.cell_timeout)
+                                      memory_limit=args.memory_limit, cell_timeout=args.cell_timeout,
+                                      force=args.force)
     progress = classroom.Progress(len(submissions))
-    if args.scheduler:
-        from . import cluster
-        return cluster.grade_on_cluster(submissions, settings, args.scheduler, jobs=max(1, args.jobs),
-                                        progress=progress)
-    return classroom.grade_class(submissions, settings, jobs=max(1, args.jobs), progress=progress)
+    with _stopped_by_signals():
+        if args.scheduler:
+            from . import cluster
+            return cluster.grade_on_cluster(submissions, settings, args.scheduler, jobs=max(1, args.jobs),
+                                            progress=progress)
+        return classroom.grade_class(submissions, settings, jobs=max(1, args.jobs), progress=progress)
+
+
+@contextmanager
+def _stopped_by_signals():
+    """SIGTERM and SIGHUP (a `kill`, a closed terminal) stop a class's grading cleanly: the gradings
+    under way end with their processes and record nothing, the run's temporary folders go, and
+    the report of the last finished run stays set aside (gclab.classroom.class_run)."""
+    import signal
+    from . import classroom
+    from ._nbgrader_job import end_descendants
+
+    received = []
+
+    def stop(signum, frame):
+        received.append((signal.Signals(signum).name, signum))
+        classroom.STOP.set()
+        end_descendants()           # verdict processes, nbgrader jobs, a local Dask cluster
+        raise _Stopped(*received[0])
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except classroom.Stopped as stopped:       # a grading thread saw the run stopped first
+        raise _Stopped(*received[0]) from stopped
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        classroom.STOP.clear()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 It loads the course's autograder/nbgrader_config.py and regenerates the assignment (the
 student release and its gradebook entries) under a supervisor that ends every process
-it started.
+it started.  COURSE is a scratch course (`gclab.grading.prepare`): its gradebook is its own
+SQLite file, whatever gradebook the configuration names (a PostgreSQL URL names the live one).
 """
 import argparse
 import os
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     autograder = args.course / "autograder"
     os.chdir(autograder)
     config = PyFileConfigLoader("nbgrader_config.py", path=str(autograder)).load_config()
+    config.CourseDirectory.db_url = f"sqlite:///{(autograder / 'gradebook.db').resolve()}"
     result = NbGraderAPI(config=config).generate_assignment(args.assignment, force=True)
     print(result.get("log", ""))
     if not result.get("success"):

@@ -9,21 +9,36 @@ feedback for each student, and a report for the instructor.
 The unit of work is `grade_submission`: one submission graded in a verdict process of its
 own (`grading.grade_one`), its feedback written and its scores recorded.  `grade_class`
 runs the units `jobs` at a time here; `gclab.cluster` hands the same units to a Dask
-cluster.  A lesson whose hidden tests time things (`grading.timed_lesson`) is graded with
-no other unit beside it.
+cluster; nbgrader's own autograde runs one through `gclab.preprocessors.GradeWithTheCourse`.
+A lesson whose hidden tests time things (`grading.timed_lesson`) is graded with no other
+unit beside it.
+
+A submission is graded again only when it changed, or its lesson did, since it was last graded
+(`grading_key`: the submission's bytes, the lesson's sources and config, the limits): otherwise
+its last grade, kept in autograded/.gclab/STUDENT/ASSIGNMENT.json (a folder nbgrader's commands do
+not list, nor copy into feedback/), stands, and its feedback and gradebook entry are written again
+from it.  `Settings.force` grades every one again.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import shutil
 import sys
+import tempfile
 import threading
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
 from . import feedback, gradebook, grading
+
+KEPT_GRADES = ".gclab"          # in autograded/: each submission's last grade and what it was given for
 
 @dataclass(frozen=True)
 class Submission:
@@ -42,6 +57,15 @@ class Settings:
     timeout: int = 900
     memory_limit: int | None | str = "auto"
     cell_timeout: int | None = None
+    force: bool = False             # grade again even what did not change since it was last graded
+
+
+@dataclass
+class GradedSubmission(grading.NotebookResult):
+    """A submission's grade as the class's gradebook holds it: the grader's, with the scores set by
+    hand that stand in place of the automatic ones."""
+    by_hand: list = field(default_factory=list)    # gradebook.ManualScore found on its test cells (kept or cleared)
+    regraded: bool = True                           # False: unchanged since last graded, that grade stands
 
 
 def settings_for(root: Path, out: Path | None = None, db_url: str | None = None, **limits) -> Settings:
@@ -91,24 +115,81 @@ def _lesson_folder(student: str, assignment: str, paths: list[Path], root: Path,
     return [Submission(student, assignment, path) for path in named]
 
 
-def grade_submission(submission: Submission, settings: Settings) -> grading.NotebookResult:
-    """Grade one submission, write what its student gets back, record it in the gradebook."""
-    result = grading.grade_one(submission.path, settings.root, student=submission.student,
-                               timeout=settings.timeout, memory_limit=settings.memory_limit,
-                               cell_timeout=settings.cell_timeout,
-                               lesson=(submission.assignment, submission.notebook) if submission.notebook else None)
+class Stopped(Exception):
+    """The grading run was told to stop (SIGTERM, a closed terminal): nothing more is recorded."""
+
+
+STOP = threading.Event()        # set when the run is stopped: a grade that ends after it is not recorded
+
+
+def grade_submission(submission: Submission, settings: Settings) -> GradedSubmission:
+    """Grade one submission (unless it and its lesson are unchanged since it was last graded), record
+    it in the gradebook, and write what its student gets back."""
+    if STOP.is_set():
+        raise Stopped(f"{submission.student} {submission.assignment}: not graded, the run was stopped")
+    where = Path(submission.student) / submission.assignment
+    autograded = settings.out / "autograded" / where
+    kept = settings.out / "autograded" / KEPT_GRADES / submission.student / f"{submission.assignment}.json"
+    key = grading_key(submission, settings)
+    result = None if settings.force else last_grade(kept, key)
+    regraded = result is None
+    if regraded:
+        result = grading.grade_one(submission.path, settings.root, student=submission.student,
+                                   timeout=settings.timeout, memory_limit=settings.memory_limit,
+                                   cell_timeout=settings.cell_timeout,
+                                   lesson=(submission.assignment, submission.notebook) if submission.notebook else None)
+    if STOP.is_set():
+        raise Stopped(f"{submission.student} {submission.assignment}: not recorded, the run was stopped")
+    by_hand = gradebook.record(settings.db_url, settings.root, result, timestamp=_timestamp(submission.path.parent))
     release_nb = nbformat.read(released(settings.root, result.assignment, result.lesson_notebook), 4)
     try:
         submitted_nb = nbformat.read(submission.path, 4)
     except Exception:
         submitted_nb = release_nb
-    where = Path(submission.student) / result.assignment
-    feedback.write(result, release_nb, submitted_nb, settings.out / "autograded" / where,
-                   settings.out / "feedback" / where)
+    feedback.write(result, release_nb, submitted_nb, autograded, settings.out / "feedback" / where, by_hand)
+    if regraded:
+        keep_grade(kept, key, result)
     for folder in ("autograded", "feedback"):
         _copy_submission_records(submission.path.parent, settings.out / folder / where)
-    gradebook.record(settings.db_url, settings.root, result, timestamp=_timestamp(submission.path.parent))
-    return result
+    return as_recorded(result, by_hand, regraded)
+
+
+def as_recorded(result: grading.NotebookResult, by_hand, regraded: bool) -> GradedSubmission:
+    """`result` as the gradebook holds it: standing scores set by hand in place of the automatic ones."""
+    scored = feedback.scored_by_hand(result, by_hand)
+    return GradedSubmission(**{f: getattr(scored, f) for f in grading.NotebookResult.__dataclass_fields__},
+                            by_hand=list(by_hand), regraded=regraded)
+
+
+def grading_key(submission: Submission, settings: Settings) -> str:
+    """What a grade depends on: the submission's bytes, the lesson's sources and the course's config
+    (`grading._source_key`), the notebook it is graded as, and the limits it is graded under."""
+    digest = hashlib.sha256(submission.path.read_bytes() if submission.path.is_file() else b"")
+    digest.update(grading._source_key(settings.root, submission.assignment).encode())
+    digest.update(repr((submission.notebook, settings.timeout, settings.memory_limit, settings.cell_timeout)).encode())
+    return digest.hexdigest()
+
+
+def keep_grade(path: Path, key: str, result: grading.NotebookResult) -> None:
+    """Keep `result` at `path` as given for `key`: every field (what the tests observed, for the grader's
+    comparison alone, excepted), so that `last_grade` gives back the same result."""
+    kept = dataclasses.asdict(result)
+    for test in kept["tests"]:
+        test.pop("observed", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "result": kept}))
+
+
+def last_grade(path: Path, key: str) -> grading.NotebookResult | None:
+    """The grade kept at `path` if it was given for `key`, else None."""
+    try:
+        kept = json.loads(path.read_text())
+        if kept["key"] != key:
+            return None
+        fields = {name: value for name, value in kept["result"].items() if name != "tests"}
+        return grading.NotebookResult(**fields, tests=[grading.TestResult(**t) for t in kept["result"]["tests"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # what nbgrader collect leaves beside a submission, and its release_feedback reads beside the feedback
@@ -146,7 +227,8 @@ def exclusive_first(submissions, root: Path) -> tuple[list[Submission], list[Sub
 
 class Progress:
     """One line per submission graded, as it is: `[3/40] ada 03_node_leak: 6/6`, and why
-    where the notebook as a whole scored what it did. Called from the grading threads."""
+    where the notebook as a whole scored what it did, whether it was graded again, and what
+    the scores set by hand did. Called from the grading threads."""
 
     def __init__(self, total: int, out=None):
         self.total, self.done, self.out, self.lock = total, 0, out, threading.Lock()
@@ -154,31 +236,104 @@ class Progress:
     def __call__(self, result: grading.NotebookResult) -> None:
         with self.lock:
             self.done += 1
-            why = f" ({result.reason})" if result.reason else ""
-            print(f"[{self.done}/{self.total}] {result.student} {result.assignment}: "
-                  f"{result.score:g}/{result.max_score:g}{why}", file=self.out or sys.stderr, flush=True)
+            self.say(f"[{self.done}/{self.total}] {progress_line(result)}")
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out or sys.stderr, flush=True)
+
+
+def progress_line(result: grading.NotebookResult) -> str:
+    why = f" ({result.reason})" if result.reason else ""
+    kept = " (unchanged since it was last graded: that grade stands)" if getattr(result, "regraded", True) is False else ""
+    lines = [f"{result.student} {result.assignment}: {result.score:g}/{result.max_score:g}{why}{kept}"]
+    return "\n".join(lines + [f"    by hand: {m.describe()}" for m in getattr(result, "by_hand", [])])
 
 
 def grade_class(submissions, settings: Settings, jobs: int = 1, report: bool = True,
-                progress=None) -> list[grading.NotebookResult]:
+                progress=None) -> list[GradedSubmission]:
     """Grade every submission here, `jobs` at a time (timed lessons one at a time, first),
     then write the class report into out/reports/; the results in submission order.
     `progress` (a `Progress`) is told each result as it comes."""
     submissions = list(submissions)
-    prepare_gradebook(settings, [s.assignment for s in submissions])
-    timed = set(exclusive_first(submissions, settings.root)[0])
+    with class_run(settings, report=report):
+        prepare_gradebook(settings, [s.assignment for s in submissions])
+        timed = set(exclusive_first(submissions, settings.root)[0])
 
-    def grade(submission):
-        result = grade_submission(submission, settings)
-        if progress is not None:
-            progress(result)
-        return result
-    results = grading.schedule(submissions, grade, jobs, alone=timed.__contains__)
-    if report:
-        write_report(results, settings.out / "reports")
+        def grade(submission):
+            result = grade_submission(submission, settings)
+            if progress is not None:
+                progress(result)
+            return result
+        results = grading.schedule(submissions, grade, jobs, alone=timed.__contains__)
+        if report:
+            write_report(results, settings.out / "reports")
     return results
 
 
 def write_report(results, folder: Path) -> dict:
     from . import report
     return report.class_report(results, folder)
+
+
+@contextmanager
+def class_run(settings: Settings, report: bool = True):
+    """What a class's grading run leaves behind only while it runs: the last run's report set aside
+    (a run stopped before its end leaves none that looks current), and the gradings' temporary
+    folders inside one of the run's own, removed at its end."""
+    if report:
+        from .report import set_aside
+        set_aside(settings.out / "reports")
+    with scratch_folder(settings.root):
+        yield
+
+
+RUNS = Path("autograder") / "work" / "runs"      # one file per running grader: its pid, naming its scratch folder
+
+
+@contextmanager
+def scratch_folder(root: Path):
+    """A temporary folder that holds every temporary folder this process makes while in it (a grading's
+    `tempfile.TemporaryDirectory()`), removed at the end, or, when the process was killed (SIGKILL: no
+    clean-up runs), at the start of the next run in the same course."""
+    runs = root / RUNS
+    system_tmp = Path(tempfile.gettempdir())
+    remove_abandoned(runs, system_tmp)
+    folder = Path(tempfile.mkdtemp())
+    entry = runs / str(os.getpid())
+    try:
+        runs.mkdir(parents=True, exist_ok=True)
+        entry.write_text(str(folder))
+    except OSError:
+        entry = None                # a course folder that cannot be written: cleaned at the end only
+    before, tempfile.tempdir = tempfile.tempdir, str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(folder, ignore_errors=True)
+        if entry is not None:
+            entry.unlink(missing_ok=True)
+
+
+def remove_abandoned(runs: Path, system_tmp: Path) -> list[Path]:
+    """Remove the scratch folders of runs whose process is gone; the folders removed."""
+    removed = []
+    for entry in runs.glob("*") if runs.is_dir() else ():
+        if not entry.name.isdigit() or _alive(int(entry.name)):
+            continue
+        folder = Path(entry.read_text().strip())
+        if folder.parent == system_tmp and folder.name.startswith("tmp"):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        entry.unlink(missing_ok=True)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

@@ -68,25 +68,75 @@ def grade_on_cluster(submissions, settings: classroom.Settings, scheduler: str,
                      jobs: int = 1, progress=None) -> list[grading.NotebookResult]:
     """Grade every submission on the cluster at `scheduler` ("local": one started here with
     `jobs` threads), timed lessons alone on their worker; the results in submission order,
-    the class report written into out/reports/. `progress` is told each result as it comes."""
+    the class report written into out/reports/. `progress` is told each result as it comes.
+
+    Each result is taken from its worker as soon as it is done, and the cluster forgets it: a
+    worker lost later (killed, its machine gone) loses only the gradings it was running, which
+    the cluster runs again elsewhere; `progress` is told which.  A submission the cluster gave up
+    on (its worker lost again and again) is said, and left out of the results and the report."""
     submissions = list(submissions)
     if scheduler != "local" and settings.db_url.startswith("sqlite"):
         warnings.warn(f"several workers write to the gradebook at once: use PostgreSQL, not {settings.db_url}",
                       stacklevel=2)
-    classroom.prepare_gradebook(settings, [s.assignment for s in submissions])
-    timed = set(classroom.exclusive_first(submissions, settings.root)[0])
-    with _client(scheduler, max(1, jobs)) as client:
-        slots, largest = _largest(client)
-        futures = [client.submit(classroom.grade_submission, s, settings,
-                                 key=f"grade-{s.student}-{s.assignment}-{uuid.uuid4().hex[:8]}",
-                                 resources={SLOTS: slots if s in timed else 1},
-                                 workers=largest if s in timed else None, priority=1 if s in timed else 0)
-                   for s in submissions]
-        if progress is not None:
-            from distributed import as_completed
-            for future in as_completed(futures):
-                if future.status == "finished":
-                    progress(future.result())
-        results = client.gather(futures)
-    classroom.write_report(results, settings.out / "reports")
+    say = progress.say if progress is not None else classroom.Progress(0).say
+    with classroom.class_run(settings):
+        classroom.prepare_gradebook(settings, [s.assignment for s in submissions])
+        with _client(scheduler, max(1, jobs)) as client:
+            done = _grade_each(client, submissions, settings, progress, say)
+        results = [done[i] for i in range(len(submissions)) if i in done]
+        classroom.write_report(results, settings.out / "reports")
     return results
+
+
+def _grade_each(client, submissions, settings, progress, say) -> dict:
+    """{index of a submission: its result}, each taken as it comes; those not graded are said."""
+    from distributed import as_completed
+    timed = set(classroom.exclusive_first(submissions, settings.root)[0])
+    slots, largest = _largest(client)
+    keys = {}
+    for index, s in enumerate(submissions):
+        keys[f"grade-{s.student}-{s.assignment}-{uuid.uuid4().hex[:8]}"] = index
+    client.subscribe_topic("all", _tell_lost_workers(keys, submissions, say))
+    futures = [client.submit(classroom.grade_submission, submissions[index], settings, key=key,
+                             resources={SLOTS: slots if submissions[index] in timed else 1},
+                             workers=largest if submissions[index] in timed else None,
+                             priority=1 if submissions[index] in timed else 0)
+               for key, index in keys.items()]
+    done, failed = {}, []
+    for future in as_completed(futures):
+        index = keys[future.key]
+        if future.status == "finished":
+            done[index] = future.result()
+            if progress is not None:
+                progress(done[index])
+        else:
+            failed.append(f"{_name(submissions[index])}: {future.exception()!r}")
+        future.release()           # the cluster forgets it: a worker lost from now on cannot lose it
+    futures.clear()
+    if failed:
+        say(f"not graded ({len(failed)}; run the same command again to grade them): " + "; ".join(failed))
+    return done
+
+
+def _name(submission) -> str:
+    return f"{submission.student} {submission.assignment}"
+
+
+def _tell_lost_workers(keys: dict, submissions, say):
+    """A handler of the scheduler's events that says, when a worker leaves unexpectedly, which gradings
+    it was running (lost, run again elsewhere) and which finished ones it still held (graded again)."""
+    def named(found) -> str:
+        return ", ".join(sorted(_name(submissions[keys[k]]) for k in found if k in keys))
+
+    def handle(event):
+        _, message = event
+        if not isinstance(message, dict) or message.get("action") != "remove-worker" or message.get("expected"):
+            return
+        running, held = named(message.get("processing-tasks", ())), named(message.get("lost-computed-tasks", ()))
+        lines = [f"worker {message.get('worker', '?')} left the cluster unexpectedly (killed, or its machine lost)"]
+        if running:
+            lines.append(f"  lost the gradings it was running, which run again on another worker: {running}")
+        if held:
+            lines.append(f"  lost the finished grades it held, graded again: {held}")
+        say("\n".join(lines))
+    return handle

@@ -591,6 +591,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
                                       points[test_id], status, message, output, figures or {}, observed or [])
     try:
         running, deadline, interrupted = None, time.monotonic() + 120 + cell_timeout, False
+        stopped = []                # answer cells interrupted for running past the cell timeout
         while len(results) < len(job["tests"]):
             message = channel.next(min(deadline, end))
             if message == "timeout" and time.monotonic() >= end:
@@ -601,6 +602,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
             if message == "timeout" and running is not None and not interrupted:
                 os.kill(proc.pid, signal.SIGINT)        # as nbgrader interrupts a runaway cell
                 deadline, interrupted = time.monotonic() + 10, True
+                stopped += [running[1]] if running[0] == "answer" else []
                 continue
             if message == "timeout" or message is None:
                 _report_stop(result, job, running, message == "timeout", cell_timeout)
@@ -629,6 +631,8 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
                 text = _with_demo_names(_with_answer_errors(message), job.get("demo_names", ()))
                 if status == "timeout":
                     text = f"the test ran past the time limit ({cell_timeout:g} s) and was interrupted"
+                elif stopped and status != "passed":
+                    text = _after_stopped_answers(stopped, cell_timeout, str(message.get("message", "")))
                 observed = message.get("observations")
                 result(message["test"], status, text, str(message.get("output", "")), figures,
                        observed if isinstance(observed, list) else [])
@@ -693,9 +697,23 @@ def _report_stop(result, job, running, timed_out, cell_timeout):
     if running is not None and running[0] == "start":
         result(running[1], "timeout" if timed_out else "error", f"the test {how}")
         return
-    where = f"your answer cell {running[1]}" if running else "starting the grader"
+    if running is not None and timed_out:
+        why = _answer_stopped(running[1], cell_timeout) + ": it did not stop when interrupted, so its process was ended"
+    else:
+        why = (f"your answer cell {running[1]}" if running else "starting the grader") + f" {how}"
     for test in job["tests"]:
-        result(test["id"], "timeout" if timed_out else "error", f"not graded: {where} {how}")
+        result(test["id"], "timeout" if timed_out else "error", f"not graded: {why}")
+
+
+def _answer_stopped(cell: str, cell_timeout: float) -> str:
+    return f"your answer cell {cell} ran past {cell_timeout:g} seconds and was stopped (does it loop forever?)"
+
+
+def _after_stopped_answers(cells, cell_timeout: float, said: str) -> str:
+    """A failed test's message after answer cells were stopped for running past the cell timeout: that
+    first, since what the test says (a name "not defined yet") follows from it."""
+    stopped = " and ".join(_answer_stopped(cell, cell_timeout) for cell in dict.fromkeys(cells))
+    return f"{stopped}, so what it defines after that point was never run; then the test said: {said}"
 
 
 _UNDEFINED = re.compile(r"name '(\w+)' is not defined")

@@ -3,17 +3,21 @@
 `cause_of` turns a failed test's message (what the checks and hidden tests assert, or what the
 grader says about a submission it could not grade) into a short cause, the same for every
 submission that failed the same way whatever the numbers in its message; `class_report` writes
-`report.html` (one self-contained page: per lesson the scores, their histogram and the causes
-with the students behind each, and the answers worth reading by hand: see `gclab.review`), `scores.csv`,
-`causes.csv` and `review.csv`.
+`report.html` (one self-contained page: first a table of the students by lessons, each cell a score and
+its causes, then per lesson the scores, their histogram and the causes with the students behind each,
+and the answers worth reading by hand: see `gclab.review`), `scores.csv`, `causes.csv` and `review.csv`.
 """
 from __future__ import annotations
 
 import base64
 import csv
+import datetime
 import html
 import io
+import os
 import re
+import shutil
+import socket
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +28,7 @@ UNREADABLE = "not a notebook of the course / unreadable"
 TAMPERING = "tampering"
 INCONCLUSIVE = "inconclusive: machine too busy to judge, grade again"
 TIMEOUT = "timeout"
+ANSWER_STOPPED = "an answer cell ran past the time limit and was stopped (an endless loop?)"
 DIED = "kernel/process died (crash, exit, out of memory)"
 ANSWER_CELL_MISSING = "answer cell missing (deleted, or its metadata removed)"
 NOT_WRITTEN = "answer not written yet"
@@ -42,7 +47,7 @@ COPY_NOT_VIEW = "returned a copy instead of a view"
 GROWS_WITH_COLLECTOR_ON = "memory grows with the collector on"
 CYCLE = "objects kept in a reference cycle"
 NOT_BACK_TO_BASELINE = "memory not back to baseline"
-COLLECTION_DURING_CHECK = "a collection ran during the check"
+COLLECTION_DURING_CHECK = "gc.collect() in the step: collections ran during the check (a band-aid)"
 WRONG_RESULT = "results differ from what is expected"
 REFUTED = "the process said passed, the grader's own figures did not (flagged for review)"
 
@@ -56,6 +61,7 @@ CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
       r"|budget was changed"), TAMPERING),
     (r"your process reported that", REFUTED),
     (r"inconclusive", INCONCLUSIVE),
+    (r"answer cell \S+ ran past # seconds and was stopped", ANSWER_STOPPED),
     (r"time limit|took longer than", TIMEOUT),
     (r"ended the process|grading process ended|kernel died|DeadKernel", DIED),
     (r"has no answer cell", ANSWER_CELL_MISSING),
@@ -73,6 +79,8 @@ CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
     # the collector and memory (gclab.checks.FlatReport, hidden tests with Meter and GCWatch)
     (r"switched the automatic collector back on", COLLECTOR_REENABLED),
     (r"collector back on|collector must be left on", COLLECTOR_LEFT_OFF),
+    # with the collector off only the step's own gc.collect() collects: memory left by it is its doing
+    (r"collector ran|collections? ran during", COLLECTION_DURING_CHECK),
     (r"did not return to its baseline", NOT_BACK_TO_BASELINE),   # it goes on "Something still refers to ..."
     (r"still refers to|something outside the \w+ keeps", HELD_ELSEWHERE),
     (r"died too early|must stay alive", FREED_TOO_EARLY),
@@ -83,7 +91,6 @@ CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
     (r"\bshould hold\b", WRONG_RESULT),      # "should hold its # tensors ...; it holds # MiB": not a leak
     ((r"still held|\bleft # \w*B held|\bholds? -?# \w*B|kept -?# \w*B alive"
       r"|were not freed"), NOT_BACK_TO_BASELINE),
-    (r"collector ran|collections? ran during", COLLECTION_DURING_CHECK),
 ]]
 # What a failed assertion says about the answer's results when nothing above names a cause
 # (gclab.checks.compare: "... values differ from the reference ...", a test's "should"/"must").
@@ -91,13 +98,14 @@ CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
 ASSERTED_RESULTS = re.compile(r"differ|changed|wrong|expected|\bshould\b|\bmust\b|\breturned\b|did not|does not"
                               r"|is False|\bbelow\b")
 
-_NUMBER = re.compile(r"0x[0-9a-f]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
+# a number standing alone: not the digits of a name ("03_node_leak.ipynb", "test_2", "/tmp/tmpab12")
+_NUMBER = re.compile(r"(?<![\w.])(?:0x[0-9a-f]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?![\w])", re.IGNORECASE)
 _EXCEPTION_NAME = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
 
 
 def message_shape(text: str) -> str:
     """A message with its numbers written # and its white space collapsed: "memory grew by 3.1 MB"
-    and "memory grew by 9.0 MB" have the same shape."""
+    and "memory grew by 9.0 MB" have the same shape; the digits inside a name or a path stay."""
     return " ".join(_NUMBER.sub("#", text or "").split())
 
 
@@ -290,21 +298,116 @@ def _flagged_table(results, field: str, title: str, column: str, width: int, why
             f"{rows}</table>")
 
 
+def causes_of(result) -> list[str]:
+    """The causes of a result's failed test cells, each once, in the order of its cells."""
+    return list(dict.fromkeys(cause for _, cause, _ in _failures(result)))
+
+
+def students_by_lessons(lessons: dict[str, list]) -> str:
+    """The table an instructor reads first: a row per student, a column per lesson, each cell the
+    score and the causes of what failed."""
+    e = html.escape
+    graded = {(student_of(r), name): r for name, results in lessons.items() for r in results}
+    students = sorted({student for student, _ in graded})
+    header = "".join(f"<th>{e(name)}</th>" for name in lessons)
+    rows = "".join(f"<tr><th>{e(student)}</th>{''.join(_score_cell(graded.get((student, name))) for name in lessons)}"
+                   "</tr>" for student in students)
+    return f"<table class='overview'><tr><th>student</th>{header}</tr>{rows}</table>"
+
+
+def _score_cell(result) -> str:
+    if result is None:
+        return "<td class='none'>no submission</td>"
+    e = html.escape
+    full = "full" if result.score >= result.max_score > 0 else "short"
+    causes = "".join(f"<li>{e(cause)}</li>" for cause in causes_of(result))
+    return (f"<td class='{full}'><span class='score'>{_number(result.score)} / {_number(result.max_score)}</span>"
+            + (f"<ul class='causes'>{causes}</ul>" if causes else "") + "</td>")
+
+
+def _by_hand_lines(result) -> list[str]:
+    """What the scores set by hand (gradebook.ManualScore) did to a result's grade, in words."""
+    return [m.describe() for m in getattr(result, "by_hand", [])]
+
+
+def _by_hand_rows(lessons: dict[str, list]) -> str:
+    flagged = [(student_of(r), name, line) for name, results in lessons.items() for r in results
+               for line in _by_hand_lines(r)]
+    if not flagged:
+        return ""
+    e = html.escape
+    rows = "".join(f"<tr><td>{e(student)}</td><td>{e(name)}</td><td>{e(line)}</td></tr>"
+                   for student, name, line in flagged)
+    return ("<h2>Scores set by hand</h2><p>A score set by hand in the Formgrader stands while the automatic score "
+            "under it stays the same (the gradebook, its export and the feedback all show it); where a new answer "
+            "changed the automatic score, it was cleared.</p>"
+            f"<table><tr><th>student</th><th>lesson</th><th>what happened</th></tr>{rows}</table>")
+
+
+def _run_line(results) -> str:
+    """How many of the results this run graded again, where it says (`regraded`)."""
+    kept = [r for r in results if getattr(r, "regraded", True) is False]
+    if not kept:
+        return ""
+    return (f" {len(results) - len(kept)} graded in this run; {len(kept)} unchanged since their last grading "
+            "(submission and lesson the same), whose grades stand.")
+
+
 _STYLE = ("body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
-          "td.n{text-align:right}td.example{font-size:.85em;color:#555}section{margin-bottom:3em}")
+          "td.n{text-align:right}td.example{font-size:.85em;color:#555}section{margin-bottom:3em}"
+          "table.overview td.full{background:#eef7ee}table.overview td.short{background:#fbf1f1}"
+          "table.overview td.none{color:#888}ul.causes{margin:.2em 0 0 1em;padding:0;font-size:.85em}")
 
 
 def report_html(lessons: dict[str, list]) -> str:
-    count = sum(len(results) for results in lessons.values())
+    results = [r for lesson in lessons.values() for r in lesson]
     sections = "".join(lesson_section(name, results) for name, results in lessons.items())
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Class report</title>"
             f"<style>{_STYLE}</style></head><body><h1>Class report</h1>"
-            f"<p>{count} submission(s) in {len(lessons)} lesson(s). Failures are counted per test cell; "
-            f"a student is listed once per cause.</p>{sections}</body></html>")
+            f"<p>{len(results)} submission(s) in {len(lessons)} lesson(s).{html.escape(_run_line(results))} "
+            f"Failures are counted per test cell; a student is listed once per cause.</p>"
+            f"<h2>Students by lessons</h2>{students_by_lessons(lessons)}{_by_hand_rows(lessons)}"
+            f"{sections}</body></html>")
 
 
 # -- the files -------------------------------------------------------------------------------
+FILES = ("report.html", "scores.csv", "causes.csv", "review.csv")
+PREVIOUS = "previous"
+_UNFINISHED = '<meta name="gclab-report" content="unfinished">'
+
+
+def set_aside(folder: Path) -> None:
+    """Before a grading run: the last finished report moves into folder/previous/, and report.html
+    says that a run is under way, until `class_report` writes the new one.  A run stopped before
+    its end (killed, a closed terminal) so leaves no report that looks current."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    page = folder / "report.html"
+    if page.is_file() and _UNFINISHED not in page.read_text(encoding="utf-8", errors="replace"):
+        shutil.rmtree(folder / PREVIOUS, ignore_errors=True)
+        (folder / PREVIOUS).mkdir()
+        for name in FILES:
+            if (folder / name).is_file():
+                (folder / name).rename(folder / PREVIOUS / name)
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    previous = (f"<p>The report of the last run that finished: <a href='{PREVIOUS}/report.html'>{PREVIOUS}/report.html"
+                "</a>.</p>" if (folder / PREVIOUS / "report.html").is_file() else "")
+    page.write_text(
+        f"<!doctype html><html><head><meta charset=\"utf-8\">{_UNFINISHED}<title>Class report: not written yet"
+        f"</title><style>{_STYLE}</style></head><body><h1>Class report: not written yet</h1>"
+        f"<p>A grading run started at {html.escape(started)} (process {os.getpid()} on "
+        f"{html.escape(socket.gethostname())}) writes the class report here when it ends. If that run is no longer "
+        "going, it was stopped before its end: run the same command again (what was graded and did not change "
+        f"is not graded again).</p>{previous}</body></html>", encoding="utf-8")
+
+
+def unfinished(folder: Path) -> bool:
+    """Does folder/report.html say that its run has not finished?"""
+    page = Path(folder) / "report.html"
+    return page.is_file() and _UNFINISHED in page.read_text(encoding="utf-8", errors="replace")
+
+
 def _write_csv(path: Path, header, rows) -> Path:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
@@ -331,5 +434,7 @@ def class_report(results, out_dir: Path) -> dict[str, Path]:
                          [[student_of(r), r.assignment, _number(r.score), line]
                           for lesson in lessons.values() for r in lesson
                           for line in [*(f"refuted: {d}" for d in getattr(r, "disagreements", [])),
+                                       *(f"by hand: {m}" for m in _by_hand_lines(r)),
                                        *getattr(r, "review", [])]])
+    shutil.rmtree(out_dir / PREVIOUS, ignore_errors=True)      # set aside while this run went on: now replaced
     return {"html": page, "scores": scores, "causes": causes, "review": to_read}

@@ -1,9 +1,14 @@
 """A class graded on a local Dask cluster, its gradebook in a real PostgreSQL server:
 scores, feedback, idempotent regrading, and timed lessons alone on their worker."""
 import contextlib
+import csv
 import io
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,9 +111,11 @@ def test_regrading_is_idempotent(graded):
 
 
 def test_the_instructor_is_told_each_submission_as_the_cluster_grades_it(graded):
+    """The second run on the cluster found every submission unchanged: each is told, with its grade kept."""
     lines = [line for line in graded["again"]["told"].splitlines() if line.startswith("[")]
     assert sorted(line.split("] ")[1] for line in lines) == sorted(
-        f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g}" for r in graded["first"]["results"]), lines
+        f"{r.student} {r.assignment}: {r.score:g}/{r.max_score:g} (unchanged since it was last graded: that grade "
+        "stands)" for r in graded["first"]["results"]), lines
     assert [line.split("]")[0] for line in lines] == [f"[{k}/6" for k in range(1, 7)]
 
 
@@ -131,3 +138,130 @@ def test_a_timed_unit_shares_its_worker_with_no_other_unit(graded):
         assert not beside, f"{key} ran beside {beside} on {worker}"
     intervals = sorted((s, e) for _, s, e in spans.values())
     assert any(b[0] < a[1] for a, b in itertools.pairwise(intervals)), "the cluster never ran two units at once"
+
+
+# -- a PostgreSQL gradebook named in the course's configuration, as the README says ----------------------
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory, postgres):
+    """A class graded by `gclab grade` (make grade-class), then by `nbgrader autograde`, with the gradebook
+    PostgreSQL set by `c.CourseDirectory.db_url` in autograder/nbgrader_config.py and no --db-url anywhere."""
+    course = tmp_path_factory.mktemp("configured") / "course"
+    toy_course.make_course(course, {"toy": _lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION")})
+    db_url = postgres.create_database("configured")
+    with open(course / "autograder" / "nbgrader_config.py", "a") as config:
+        config.write(f"\nc.CourseDirectory.db_url = {db_url!r}\n")
+    for student, answers in ANSWERS.items():
+        (course / "submitted" / student / "toy").mkdir(parents=True)
+        nbformat.write(_lesson(answers["toy"]), course / "submitted" / student / "toy" / "toy.ipynb")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["--course", str(course), "grade", "--memory-limit", "none"]) == 0
+    graded = gradebook.scores(db_url)
+    nbgrader = Path(sys.executable).parent / "nbgrader"
+    autograde = subprocess.run([str(nbgrader), "autograde", "toy", "--force"], cwd=course / "autograder",
+                               capture_output=True, text=True)
+    export = subprocess.run([str(nbgrader), "export"], cwd=course / "autograder", capture_output=True, text=True)
+    return {"course": course, "db_url": db_url, "graded": graded, "autograded": gradebook.scores(db_url),
+            "autograde": autograde, "export": export}
+
+
+def test_a_postgresql_gradebook_set_in_the_configuration_is_the_one_graded_into(configured):
+    assert configured["graded"] == {(student, "toy"): 2.0 if answers["toy"] == RIGHT else 0.0
+                                    for student, answers in ANSWERS.items()}
+    assert not (configured["course"] / "autograder" / "gradebook.db").exists()
+
+
+def test_nbgraders_autograde_and_export_use_it_too(configured):
+    assert configured["autograde"].returncode == 0, configured["autograde"].stderr[-3000:]
+    assert configured["autograded"] == configured["graded"]
+    assert configured["export"].returncode == 0, configured["export"].stderr[-3000:]
+    rows = list(csv.DictReader((configured["course"] / "autograder" / "grades.csv").open()))
+    assert {(r["student_id"], float(r["score"])) for r in rows} == {(s, v) for (s, _), v in configured["graded"].items()}
+
+
+# -- a worker killed midway -------------------------------------------------------------------------------
+SLOW = "import time\ntime.sleep(12)\n" + RIGHT
+
+
+def _kill_the_worker_grading_zed(tmp: Path, db_url: str) -> dict:
+    """Six submissions on two workers of one slot; the worker grading the slow one (zed's, last) is killed
+    once zed's grading has started, after others finished."""
+    course, out, submitted = tmp / "course", tmp / "out", tmp / "submitted"
+    toy_course.make_course(course, {"toy": _lesson(f"### BEGIN SOLUTION\n{RIGHT}\n### END SOLUTION")})
+    answers = {"amy": RIGHT, "ben": WRONG, "cat": RIGHT, "dov": WRONG, "eli": RIGHT, "zed": SLOW}
+    for student, answer in answers.items():
+        (submitted / student / "toy").mkdir(parents=True)
+        nbformat.write(_lesson(answer), submitted / student / "toy" / "toy.ipynb")
+    grading.prepare(course, "toy")
+    settings = classroom.settings_for(course, out=out, db_url=db_url, memory_limit=None)
+    told = io.StringIO()
+    progress = classroom.Progress(len(answers), out=told)
+    with cluster.local_cluster(threads=1, workers=2) as local, Client(local) as client, ThreadPoolExecutor(1) as pool:
+        client.register_plugin(Spans())          # on every worker, those started after the kill too
+        grading_run = pool.submit(cluster.grade_on_cluster, classroom.find_submissions(submitted, course), settings,
+                                  local.scheduler_address, progress=progress)
+        worker = _worker_running(client, "-zed-", grading_run)
+        finished_before, killed_at = _told_students(told.getvalue()), time.time()
+        os.kill(client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
+        results = grading_run.result(timeout=300)
+        spans = client.run(lambda dask_worker: dask_worker.plugins[Spans.name].spans)
+    started_after = [str(key).split("-")[1] for tasks in spans.values() for key, (start, _) in tasks.items()
+                     if start > killed_at]
+    return {"results": results, "told": told.getvalue(), "finished_before": finished_before,
+            "started_after": started_after, "out": out}
+
+
+@pytest.fixture(scope="module")
+def worker_lost(tmp_path_factory, postgres):
+    return _kill_the_worker_grading_zed(tmp_path_factory.mktemp("lost"), postgres.create_database("lost"))
+
+
+@pytest.fixture(scope="module")
+def given_up(tmp_path_factory, postgres):
+    """The same, on a cluster that gives a task up the first time a worker dies while running it (Dask's
+    allowed-failures, 3 by default, set to 0)."""
+    import dask
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        return _kill_the_worker_grading_zed(tmp_path_factory.mktemp("given_up"), postgres.create_database("given_up"))
+
+
+def _told_students(told: str) -> list[str]:
+    return [line.split("] ")[1].split()[0] for line in told.splitlines() if line.startswith("[")]
+
+
+def _worker_running(client, name: str, grading_run) -> str:
+    """The address of the worker executing the task whose key holds `name`, once it does."""
+    while True:
+        assert not grading_run.done(), grading_run.result()
+        executing = client.run(lambda dask_worker: [str(ts.key) for ts in dask_worker.state.executing])
+        for worker, keys in executing.items():
+            if any(name in key for key in keys):
+                return worker
+        time.sleep(0.1)
+
+
+def test_a_lost_worker_is_said_with_the_grading_it_lost_and_that_grading_runs_again(worker_lost):
+    told = worker_lost["told"]
+    assert "left the cluster unexpectedly" in told, told
+    lost = next(line for line in told.splitlines() if "lost the gradings it was running" in line)
+    assert "which run again on another worker" in lost and "zed toy" in lost, told
+    assert "lost the finished grades it held" not in told, told
+    assert "zed" in worker_lost["started_after"]
+    assert sorted(_told_students(told)) == ["amy", "ben", "cat", "dov", "eli", "zed"], told
+    assert next(r for r in worker_lost["results"] if r.student == "zed").score == 2.0
+
+
+def test_a_lost_worker_costs_no_finished_grading(worker_lost):
+    assert worker_lost["finished_before"], "the kill came after some submissions were graded"
+    assert not set(worker_lost["finished_before"]) & set(worker_lost["started_after"]), worker_lost
+
+
+def test_a_submission_the_cluster_gives_up_on_is_said_and_left_out(given_up):
+    """zed's grading, and any the lost worker held queued, each given up: said, and out of the results and report."""
+    told = given_up["told"]
+    said = next(line for line in told.splitlines() if line.startswith("not graded ("))
+    assert "run the same command again to grade them" in said and "zed toy: KilledWorker" in said, told
+    left_out = {name for name in ("amy", "ben", "cat", "dov", "eli", "zed") if f"{name} toy: KilledWorker" in said}
+    graded = sorted(r.student for r in given_up["results"])
+    assert graded == sorted({"amy", "ben", "cat", "dov", "eli", "zed"} - left_out)
+    scores = list(csv.DictReader((given_up["out"] / "reports" / "scores.csv").open()))
+    assert sorted(row["student"] for row in scores) == graded
