@@ -38,6 +38,22 @@ class Lab:
         except urllib.error.HTTPError as exc:
             return exc.code, ""
 
+    def send(self, method, path, body=None):
+        url = f"http://127.0.0.1:{self.port}{path}?token={TOKEN}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+
+    def saved_again(self, notebook: dict) -> dict:
+        """The notebook saved through the lab (as its Save button does) and read back from the file."""
+        path = f"/api/contents/gclab-save-test-{os.getpid()}.ipynb"
+        try:
+            self.send("PUT", path, {"type": "notebook", "format": "json", "content": notebook})
+            return json.loads((ROOT / "notebooks" / path.rsplit("/", 1)[1]).read_text())
+        finally:
+            self.send("DELETE", path)
+
     def page_config(self):
         status, html = self.get("/lab")
         assert status == 200
@@ -94,12 +110,22 @@ def stop(lab):
         lab.proc.wait(10)
 
 
+# A notebook as the lab holds it after a cell showed an Explorer: the widget's live view, and its figure
+WITH_A_WIDGET = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{
+    "cell_type": "code", "execution_count": 1, "id": "explorer", "metadata": {}, "source": "explorer",
+    "outputs": [
+        {"output_type": "display_data", "metadata": {},
+         "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "0f", "version_major": 2, "version_minor": 0},
+                  "text/plain": "VBox(...)"}},
+        {"output_type": "display_data", "metadata": {}, "data": {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"}}]}]}
+
+
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     lab = start_lab(tmp_path_factory.mktemp("learner"))
     try:
         result = {"kernels": lab.kernelspecs(), "page": lab.page_config(), "formgrader": lab.get("/formgrader")[0],
-                  "extensions": lab.get("/lab/api/extensions")}
+                  "extensions": lab.get("/lab/api/extensions"), "saved": lab.saved_again(WITH_A_WIDGET)}
     finally:
         stop(lab)
     result["log"] = lab.log.read_text()
@@ -143,3 +169,11 @@ def test_author_mode_has_nbgrader_with_the_course_config(author):
     assert status == 200 and "gc-gpu-memory" in html and "sqlite:///" + str(ROOT / "autograder") in html  # the course's config
     assert "No nbgrader_config.py file found" not in author["log"]
     assert author["kernels"][course.KERNEL_NAME]["spec"]["display_name"] == course.KERNEL_DISPLAY_NAME
+
+
+def test_a_saved_lesson_keeps_each_widgets_figure_and_not_its_live_view(learner):
+    """Saved from the learner's lab, a notebook loses the outputs that show a live widget (their state is in the
+    kernel: reopened without it, each would read "Error displaying widget: model not found") and keeps the static
+    figure each widget leaves beside it."""
+    outputs = learner["saved"]["cells"][0]["outputs"]
+    assert [sorted(o["data"]) for o in outputs] == [["image/png", "text/plain"]], outputs
