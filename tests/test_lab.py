@@ -45,15 +45,6 @@ class Lab:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read().decode()
 
-    def saved_again(self, notebook: dict) -> dict:
-        """The notebook saved through the lab (as its Save button does) and read back from the file."""
-        path = f"/api/contents/gclab-save-test-{os.getpid()}.ipynb"
-        try:
-            self.send("PUT", path, {"type": "notebook", "format": "json", "content": notebook})
-            return json.loads((ROOT / "notebooks" / path.rsplit("/", 1)[1]).read_text())
-        finally:
-            self.send("DELETE", path)
-
     def page_config(self):
         status, html = self.get("/lab")
         assert status == 200
@@ -125,7 +116,7 @@ def learner(tmp_path_factory):
     lab = start_lab(tmp_path_factory.mktemp("learner"))
     try:
         result = {"kernels": lab.kernelspecs(), "page": lab.page_config(), "formgrader": lab.get("/formgrader")[0],
-                  "extensions": lab.get("/lab/api/extensions"), "saved": lab.saved_again(WITH_A_WIDGET)}
+                  "extensions": lab.get("/lab/api/extensions")}
     finally:
         stop(lab)
     result["log"] = lab.log.read_text()
@@ -171,9 +162,33 @@ def test_author_mode_has_nbgrader_with_the_course_config(author):
     assert author["kernels"][course.KERNEL_NAME]["spec"]["display_name"] == course.KERNEL_DISPLAY_NAME
 
 
-def test_a_saved_lesson_keeps_each_widgets_figure_and_not_its_live_view(learner):
-    """Saved from the learner's lab, a notebook loses the outputs that show a live widget (their state is in the
-    kernel: reopened without it, each would read "Error displaying widget: model not found") and keeps the static
-    figure each widget leaves beside it."""
-    outputs = learner["saved"]["cells"][0]["outputs"]
+def test_a_saved_lesson_keeps_each_widgets_figure_and_not_its_live_view(tmp_path):
+    """Saved through a Jupyter server with the learner's settings (lab/, as `make lab` starts it, here in a
+    scratch folder rather than notebooks/), a notebook loses the outputs that show a live widget (their state is
+    in the kernel: reopened without it, each would read "Error displaying widget: model not found") and keeps the
+    static figure each widget leaves beside it."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
+    env.update(HOME=str(tmp_path), JUPYTER_CONFIG_PATH=str(ROOT / "lab"), JUPYTER_CONFIG_DIR=str(tmp_path / ".jupyter"),
+               JUPYTER_DATA_DIR=str(tmp_path / "data"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    (tmp_path / "work").mkdir()
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "jupyter"), "server", "--no-browser", "--allow-root",
+                             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+                             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path / 'work'}"],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = Lab(port, proc, log)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if server.get("/api/status")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        server.send("PUT", "/api/contents/saved.ipynb", {"type": "notebook", "format": "json", "content": WITH_A_WIDGET})
+        outputs = json.loads((tmp_path / "work" / "saved.ipynb").read_text())["cells"][0]["outputs"]
+    finally:
+        stop(server)
     assert [sorted(o["data"]) for o in outputs] == [["image/png", "text/plain"]], outputs
