@@ -246,10 +246,17 @@ class FlatReport:
                  f"iteration {first_i}, {format_bytes(last_g)} after iteration {last_i}")
         earlier = self.growth[:max(first_i, last_i // 2)]
         if last_i >= first_i + 2 and 0 < last_g <= max(earlier):
+            if self.collections:
+                return (f"{start}, never more than {format_bytes(max(self.growth))} in between: each collection "
+                        "during the check freed what the steps before had left, never the latest step's. The step "
+                        "leaves its tensors in reference cycles, which only the collector frees; a fix lets "
+                        "reference counting free them.")
             return (f"{start}, never more than {format_bytes(max(self.growth))} in between: it stopped growing. "
                     "Something keeps the latest step's tensors (a global, a default argument, an attribute that "
                     "each step replaces), not every step's; a fix keeps none of them once the step is done.")
-        return (f"{start} (about {format_bytes(last_g / last_i)} per iteration). Something still refers to "
+        # the leak per iteration from where it started: the first iteration above the baseline counts as one
+        per_iteration = (last_g - first_g) / (last_i - first_i) if last_i > first_i else first_g
+        return (f"{start} (about {format_bytes(per_iteration)} per iteration). Something still refers to "
                 "the tensors each step creates.")
 
     def explain(self) -> str:
@@ -270,16 +277,17 @@ class FlatReport:
                      f"after {len(self.growth_collector_on)} of {self.with_collector_on} iterations with the collector on")
             lines.append(f"the step raised {type(self.error).__name__}: {self.error} ({where})")
         bad = [(i, g) for i, g in enumerate(self.growth, 1) if g != 0]
+        if self.collections:               # first: what the step leaned on explains what memory did
+            gens = sorted({c.generation for c in self.collections})
+            lines.append(
+                f"the collector ran {len(self.collections)} time(s) during the check "
+                f"(generation {', '.join(map(str, gens))}), with the automatic collector off: the step called "
+                "gc.collect() (or switched the collector on). A fix must free memory by reference counting "
+                "alone.")
         if bad:
             lines.append(self._explain_growth(bad[0]))
             if self.held is not None:
                 lines.append(self.held.explain())
-        if self.collections:
-            gens = sorted({c.generation for c in self.collections})
-            lines.append(
-                f"the collector ran {len(self.collections)} time(s) during the check "
-                f"(generation {', '.join(map(str, gens))}): a fix must free memory by reference "
-                "counting alone, without gc.collect() or the automatic collector.")
         if self.reenabled_gc:
             lines.append("the step switched the automatic collector back on (gc.enable()).")
         if self.frozen:

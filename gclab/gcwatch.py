@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass
 
@@ -201,11 +202,16 @@ class CollectorDesign:
 
 def collector_design(version=None, implementation=None, gil_enabled=None) -> CollectorDesign:
     """Which cyclic collector this interpreter runs, read from the interpreter itself (the
-    arguments say what another interpreter would be: a version tuple, "cpython", ...)."""
+    arguments say what another interpreter would be: a version tuple, "cpython", ...).
+
+    `gil_enabled=False` stands for a free-threaded build.  The build decides the collector, not
+    whether the GIL is on now: a free-threaded build run with PYTHON_GIL=1 (sys._is_gil_enabled()
+    True) still runs the free-threaded collector, so this reads how the interpreter was built
+    (sysconfig's Py_GIL_DISABLED)."""
     version = tuple(version or sys.version_info)
     implementation = implementation or sys.implementation.name
     if gil_enabled is None:
-        gil_enabled = getattr(sys, "_is_gil_enabled", lambda: True)()
+        gil_enabled = not sysconfig.get_config_var("Py_GIL_DISABLED")
     if implementation != "cpython":
         design = "other"
     elif not gil_enabled:

@@ -20,7 +20,22 @@ from contextlib import contextmanager
 
 from matplotlib.figure import Figure
 
-__all__ = ["Explorer", "Gauge", "Picker"]
+__all__ = ["Explorer", "Gauge", "Picker", "saved_without_live_widgets"]
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def saved_without_live_widgets(model, **_):
+    """A Jupyter server's pre-save hook (lab/jupyter_server_config.json: `ContentsManager.pre_save_hook`):
+    a notebook is saved without the outputs that show a live widget.  Their state lives in the kernel, so a
+    notebook reopened without it would show "Error displaying widget: model not found" where each control
+    was; every widget here also leaves its figure in the output as a static image, which is kept, so the
+    reopened lesson shows that figure alone.  What the open notebook shows is not touched."""
+    if model.get("type") != "notebook" or not isinstance(model.get("content"), dict):
+        return
+    for cell in model["content"].get("cells", []):
+        if cell.get("cell_type") == "code" and cell.get("outputs"):
+            cell["outputs"] = [output for output in cell["outputs"] if WIDGET_VIEW not in output.get("data", {})]
 
 
 class Explorer:

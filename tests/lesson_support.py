@@ -51,11 +51,13 @@ def student_variant(release: Path, answers) -> nbformat.NotebookNode:
 
 
 class Graded(dict):
-    """name -> NotebookResult, and the folder where what the students get back was written."""
+    """name -> NotebookResult, the folder where what the students get back was written, and
+    name -> the submission graded."""
 
-    def __init__(self, results, folder: Path):
+    def __init__(self, results, folder: Path, paths: dict | None = None):
         super().__init__(results)
         self.folder = folder
+        self.paths = dict(paths or {})
 
 
 def grade_all(paths: dict, folder: Path) -> Graded:
@@ -65,7 +67,52 @@ def grade_all(paths: dict, folder: Path) -> Graded:
     submissions = [classroom.Submission(name, grading.assignment_of(paths[name], ROOT)[0], paths[name])
                    for name in names]
     settings = classroom.settings_for(ROOT, out=folder / "graded", db_url=f"sqlite:///{folder / 'gradebook.db'}")
-    return Graded(zip(names, classroom.grade_class(submissions, settings, jobs=2)), folder / "graded")
+    return Graded(zip(names, classroom.grade_class(submissions, settings, jobs=2)), folder / "graded", paths)
+
+
+def self_checks(release: Path, submission: Path, folder: Path) -> dict:
+    """The release's test cells as a learner has them (their visible self-checks alone, no hidden
+    test) run with the submission's answer cells, as Run All runs them in a kernel of their own:
+    test id -> TestResult (status "passed" when every visible assertion held).  Run by the
+    grader's verdict process, which executes the cells as a kernel would, each test in a fork of
+    the set-up, given and answer cells' state."""
+    lesson = release.parent.name
+    workdir = folder / f"self-checks-{submission.stem}" / lesson
+    workdir.mkdir(parents=True)
+    job = grading.verdict_job(nbformat.read(release, 4), nbformat.read(submission, 4), workdir, notebook=release.stem)
+    return grading.run_verdict(job, cell_timeout=180, timeout=900)
+
+
+def refused_for_tampering(result) -> bool:
+    """The grader refused the submission for rewriting its tools (read from its source, or seen while
+    it ran): no self-check run in that learner's own kernel can be believed, so none is asked to fail."""
+    return "modifies the grader" in result.reason or any(t.status == "tampered" for t in result.tests)
+
+
+def test_every_wrong_fix_that_loses_points_fails_a_visible_self_check(graded, request, tmp_path):
+    """Every lesson's test module whose self-checks are as strict as its hidden tests imports this test
+    (lesson 06: import it in tests/test_lesson_06.py once its visible self-check runs the busier load):
+    every graded submission that lost points (its wrong fixes and hostile variants, the untouched release
+    aside) also fails at least one of the release's visible self-checks, run with its answers as a learner
+    runs them.  The hidden tests may use other inputs and sizes, never other rules."""
+    release = request.module.RELEASE
+    passed_visibly = {}
+    for name, result in graded.items():
+        if name in ("solution", "untouched") or result.score >= result.max_score or refused_for_tampering(result):
+            continue
+        checks_run = self_checks(release, graded.paths[name], tmp_path)
+        if all(t.status == "passed" for t in checks_run.values()):
+            lost = [f"{t.id}: {t.message[:200]}" for t in result.tests if t.status != "passed"]
+            passed_visibly[name] = f"{result.score:g}/{result.max_score:g}; lost {lost}"
+    assert not passed_visibly, f"wrong fixes that pass every visible self-check yet lose points: {passed_visibly}"
+
+
+def test_every_self_check_ends_with_one_plain_line_when_it_passes(graded):
+    """Every lesson's test module imports this test: run with the reference solution, the visible part of
+    each test prints, as its last line, one plain sentence that starts with "OK:"."""
+    for test in graded["solution"].tests:
+        lines = test.output.strip().splitlines()
+        assert lines and lines[-1].startswith("OK: ") and len(lines[-1]) < 400, (test.id, lines[-3:])
 
 
 def hidden_lines(source: Path, release: Path) -> list[str]:

@@ -80,6 +80,30 @@ def test_memory_held_at_a_level_is_told_so_not_as_a_growth_per_iteration():
     assert "the latest step's tensors" in text and "per iteration" not in text
 
 
+def test_a_leak_that_starts_late_is_told_per_iteration_from_where_it_started():
+    """4 bytes a step, from the second iteration on: told as 4 B per iteration, not the total spread over every
+    iteration (3 B)."""
+    from gclab.checks import FlatReport
+    report = FlatReport(device=torch.device("cpu"), iterations=4, growth=[0, 4, 8, 12])
+    assert "about 4 B per iteration" in report.explain(), report.explain()
+
+
+def collects_then_makes_a_cycle(i):
+    gc.collect()                            # frees the earlier steps' cycles, never this one's
+    a, b = Node(torch.zeros(512)), Node(torch.zeros(512))
+    a.other, b.other = b, a
+    return float(a.tensor.sum())
+
+
+def test_a_level_held_by_collections_in_the_step_is_told_as_cycles_not_as_a_kept_reference():
+    report = run_flat_check(collects_then_makes_a_cycle, iterations=6)
+    text = report.explain()
+    assert not report.ok and text.startswith("the collector ran 6 time(s) during the check"), text
+    assert "each collection during the check freed what the steps before had left" in text, text
+    assert "a global, a default argument" not in text, text
+    gc.collect()
+
+
 def test_fixed_step_is_ok():
     report = run_flat_check(fixed_step, iterations=10)
     assert report.ok, report.explain()

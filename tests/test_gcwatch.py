@@ -320,3 +320,16 @@ def test_generation_sizes():
     gc.collect()
     assert generation_size(2) > 1000
     assert generation_size(0) < gc.get_threshold()[0] + 50
+
+
+def test_collector_design_reads_the_build_not_whether_the_gil_is_on_now(monkeypatch):
+    """A free-threaded build run with PYTHON_GIL=1 has its GIL on and still the free-threaded collector: the
+    design follows sysconfig's Py_GIL_DISABLED, never sys._is_gil_enabled()."""
+    import sysconfig
+    build = sysconfig.get_config_var
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)     # a GIL build, GIL said off
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 0 if name == "Py_GIL_DISABLED" else build(name))
+    assert collector_design((3, 13, 1), "cpython").design == "generational"
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)      # free-threaded, PYTHON_GIL=1
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else build(name))
+    assert collector_design((3, 13, 1), "cpython").design == "free-threaded"

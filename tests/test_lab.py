@@ -38,6 +38,13 @@ class Lab:
         except urllib.error.HTTPError as exc:
             return exc.code, ""
 
+    def send(self, method, path, body=None):
+        url = f"http://127.0.0.1:{self.port}{path}?token={TOKEN}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+
     def page_config(self):
         status, html = self.get("/lab")
         assert status == 200
@@ -94,6 +101,16 @@ def stop(lab):
         lab.proc.wait(10)
 
 
+# A notebook as the lab holds it after a cell showed an Explorer: the widget's live view, and its figure
+WITH_A_WIDGET = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{
+    "cell_type": "code", "execution_count": 1, "id": "explorer", "metadata": {}, "source": "explorer",
+    "outputs": [
+        {"output_type": "display_data", "metadata": {},
+         "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "0f", "version_major": 2, "version_minor": 0},
+                  "text/plain": "VBox(...)"}},
+        {"output_type": "display_data", "metadata": {}, "data": {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"}}]}]}
+
+
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     lab = start_lab(tmp_path_factory.mktemp("learner"))
@@ -143,3 +160,35 @@ def test_author_mode_has_nbgrader_with_the_course_config(author):
     assert status == 200 and "gc-gpu-memory" in html and "sqlite:///" + str(ROOT / "autograder") in html  # the course's config
     assert "No nbgrader_config.py file found" not in author["log"]
     assert author["kernels"][course.KERNEL_NAME]["spec"]["display_name"] == course.KERNEL_DISPLAY_NAME
+
+
+def test_a_saved_lesson_keeps_each_widgets_figure_and_not_its_live_view(tmp_path):
+    """Saved through a Jupyter server with the learner's settings (lab/, as `make lab` starts it, here in a
+    scratch folder rather than notebooks/), a notebook loses the outputs that show a live widget (their state is
+    in the kernel: reopened without it, each would read "Error displaying widget: model not found") and keeps the
+    static figure each widget leaves beside it."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
+    env.update(HOME=str(tmp_path), JUPYTER_CONFIG_PATH=str(ROOT / "lab"), JUPYTER_CONFIG_DIR=str(tmp_path / ".jupyter"),
+               JUPYTER_DATA_DIR=str(tmp_path / "data"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    (tmp_path / "work").mkdir()
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "jupyter"), "server", "--no-browser", "--allow-root",
+                             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+                             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path / 'work'}"],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = Lab(port, proc, log)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if server.get("/api/status")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        server.send("PUT", "/api/contents/saved.ipynb", {"type": "notebook", "format": "json", "content": WITH_A_WIDGET})
+        outputs = json.loads((tmp_path / "work" / "saved.ipynb").read_text())["cells"][0]["outputs"]
+    finally:
+        stop(server)
+    assert [sorted(o["data"]) for o in outputs] == [["image/png", "text/plain"]], outputs

@@ -9,6 +9,8 @@ import pytest
 from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
+    test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)
+    test_every_self_check_ends_with_one_plain_line_when_it_passes,  # noqa: F401  (collected here)
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result, grade_all, plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
@@ -179,9 +181,26 @@ HEAD_FOUND_BY_ID = SIDE_TABLE.replace("_PREVIOUS = weakref.WeakKeyDictionary()  
 # Right fixes written differently from the solution: each must earn full marks.
 ALTERNATIVES = {"slots_and_weakref": SLOTS, "weak_side_table": SIDE_TABLE}
 
+# torchtitan's garbage-collection policy (torchtitan/tools/utils.py, GarbageCollection), applied to the pairs: the
+# automatic collector off, gc.collect(1) every 10 pairs made
+COLLECT_YOUNG_EVERY_10 = LEAKY.format(extra="") + '''
+gc.disable()
+_made = 0
+_leaky_make_pair = make_pair
+def make_pair(i, device=DEVICE):
+    global _made
+    _made += 1
+    if _made % 10 == 0:
+        gc.collect(1)                   # generations 0 and 1 only: never the oldest
+    return _leaky_make_pair(i, device)
+'''
+
 # Plausible wrong fixes (and hostile submissions): none may earn full marks.
 WRONG = {
     "collect_in_step": LEAKY.format(extra="gc.collect()"),
+    "collector_off_and_collect_young_every_10_pairs": COLLECT_YOUNG_EVERY_10,
+    # the back link a weakref.proxy: the links work, but the proxy is not the head
+    "weak_proxy_back_link": LEAKY.format(extra="tail.prev = weakref.proxy(head)"),
     "del_and_empty_cache": LEAKY.format(extra="del tail\n    if torch.cuda.is_available(): torch.cuda.empty_cache()"),
     "raised_thresholds": "gc.set_threshold(100_000, 50, 50)\n" + LEAKY.format(extra=""),
     "weak_links_both_ways": WEAK_BOTH_WAYS,
@@ -308,6 +327,17 @@ def test_the_quarter_rule_is_shown_with_the_numbers_of_this_run(executed):
     assert floors.index(max(floors)) < len(floors) - 1 and floors[-1] < max(floors), "and the floor drops"
 
 
+@pytest.mark.skipif(collector_design().design != "generational", reason="gc.collect(1) of the generational collector")
+def test_collecting_young_generations_every_n_steps_strands_a_pair_per_collection(executed):
+    """Section 7's production policy (collector off, gc.collect(1) every N steps): every collection after the first
+    finds the pair in use and moves it to the oldest generation for good; one full collection frees them all."""
+    text = printed_text(executed)
+    run = re.search(r"([\d,]+) steps, gc\.collect\(1\) at (\d+) of them: (\d+) pairs \(.*\) still held after the "
+                    r"policy's last collection; after one full collection: 0 B", text)
+    assert run, "the policy's run prints the pairs it stranded and what a full collection left"
+    assert int(run.group(3)) == int(run.group(2)) - 1 > 0
+
+
 def test_the_explorer_redraws_for_the_heap_its_sliders_give(executed):
     """The widget driven through its Python API (explorer.set) in the lesson: a small heap at a low
     threshold gets a full collection that clears the floor; a large one does not; the figure
@@ -350,6 +380,10 @@ def test_wrong_fix_does_not_earn_full_marks(graded, name):
 def test_wrong_fixes_are_told_why(graded):
     flat = {name: next(t for t in graded[name].tests if t.id == "test_memory_flat") for name in WRONG}
     assert "collector ran" in flat["collect_in_step"].message
+    # the memory it held at one step's pair comes from the collections, not from a name that keeps the latest step
+    assert "each collection during the check freed what the steps before had left" in flat["collect_in_step"].message
+    assert "a global, a default argument" not in flat["collect_in_step"].message
+    assert "weakref.proxy of the head, not the head" in cell_result(graded["weak_proxy_back_link"], "test_pair_links").message
     assert "did not return to its baseline" in flat["raised_thresholds"].message
     assert "modifies the grader" in graded["patches_the_grader"].reason
     assert "did not return to its baseline" in flat["del_unlinks_the_pair"].message
@@ -359,11 +393,21 @@ def test_wrong_fixes_are_told_why(graded):
     assert "objects while it was checked (gc.freeze())" in flat["cheat_freezes_what_it_keeps_unwatched"].message
     assert graded["cheat_freezes_what_it_keeps_unwatched"].score <= 2
     assert "checks = _Lenient()" in graded["shadows_the_grader"].reason
-    assert "says its prev is another pair's head" in cell_result(graded["weak_prev_kept_on_the_class"],
-                                                                "test_pair_links").message
+    assert "does not return its own head as prev" in cell_result(graded["weak_prev_kept_on_the_class"],
+                                                                 "test_pair_links").message
     assert "two pairs made from the same i" in cell_result(graded["head_found_by_index"], "test_pair_links").message
     assert "reading a head's prev raised TypeError" in cell_result(graded["prev_raises_until_set"], "test_pair_links").message
     assert "returns a node made since as its prev" in cell_result(graded["head_found_by_id"], "test_pair_links").message
+
+
+def test_the_production_policy_of_collecting_young_generations_every_n_steps_earns_nothing(graded):
+    """torchtitan's policy on the exercise's pairs: every pair it finds in use goes to the oldest generation, which
+    nothing examines again; the pairs stay in their cycles and the grader says the collector ran."""
+    result = graded["collector_off_and_collect_young_every_10_pairs"]
+    assert result.score == 0 and result.max_score == 6, grading.format_results([result])
+    assert "still held with the collector off" in cell_result(result, "test_pair_links").message
+    flat = cell_result(result, "test_memory_flat").message
+    assert "the collector ran" in flat and "(generation 1)" in flat and "did not return to its baseline" in flat, flat
 
 
 def test_answers_that_look_at_how_they_run_are_listed_for_the_instructor(graded):
