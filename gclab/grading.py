@@ -546,7 +546,10 @@ class _Channel:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.fd], [], [], left)[0]:
                 return "timeout"
-            chunk = os.read(self.fd, 65536)
+            try:
+                chunk = os.read(self.fd, 65536)
+            except ConnectionResetError:      # the verdict process died with bytes of ours unread
+                chunk = b""
             if not chunk:
                 self.closed = True
             self.buffer += chunk
