@@ -107,6 +107,16 @@ def test_every_wrong_fix_that_loses_points_fails_a_visible_self_check(graded, re
     assert not passed_visibly, f"wrong fixes that pass every visible self-check yet lose points: {passed_visibly}"
 
 
+
+def test_no_graded_cell_of_the_solution_shows_a_value(executed):
+    """Every lesson's test module imports this test: the solution run top to bottom (hidden tests included)
+    displays no value in a test cell, which nbgrader validate would read as a partial score."""
+    nb = nbformat.read(executed, 4)
+    shown = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.cell_type == "code"
+             and c.metadata.get("nbgrader", {}).get("grade") and not c.metadata["nbgrader"].get("solution")
+             and any(o.output_type == "execute_result" for o in c.outputs)]
+    assert not shown, f"test cells that display a value: {shown}"
+
 def test_every_self_check_ends_with_one_plain_line_when_it_passes(graded):
     """Every lesson's test module imports this test: run with the reference solution, the visible part of
     each test prints, as its last line, one plain sentence that starts with "OK:"."""

@@ -4,6 +4,7 @@ import re
 import pytest
 
 from lesson_support import (
+    test_no_graded_cell_of_the_solution_shows_a_value,  # noqa: F401  (collected here)
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
     test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)

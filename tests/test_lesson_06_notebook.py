@@ -4,6 +4,7 @@ import re
 
 import pytest
 from lesson_support import plots_drawn, printed_text, problems
+from lesson_support import test_no_graded_cell_of_the_solution_shows_a_value  # noqa: F401  (collected here)
 
 from test_lesson_06 import SOLUTION  # noqa: F401  (the `executed` fixture runs the module's SOLUTION)
 

@@ -47,3 +47,24 @@ def test_every_lesson_keeps_torch_to_one_thread_on_a_cpu():
                   if kind == "code" and (grading_meta or {}).get("locked") and not (grading_meta or {}).get("solution")]
         assert any('if DEVICE.type == "cpu":\n    torch.set_num_threads(1)' in src for src in locked), \
             f"{path.relative_to(ROOT)}: no locked cell sets torch.set_num_threads(1) on a CPU"
+
+
+def test_no_test_cell_ends_in_an_expression():
+    """nbgrader reads the value a graded cell displays as a partial score (`nbgrader validate`, the Validate
+    button: "Partial credit; passed some but not all of the tests"): no test cell's last statement, hidden
+    tests included, may be an expression but a print()."""
+    import ast
+    import nbformat
+    ending = []
+    for path in sorted((ROOT / "solutions").glob("*/*.ipynb")):
+        for cell in nbformat.read(path, 4).cells:
+            meta = cell.metadata.get("nbgrader", {})
+            if cell.cell_type != "code" or not meta.get("grade") or meta.get("solution"):
+                continue
+            body = ast.parse("\n".join(line for line in cell.source.splitlines()
+                                       if not line.lstrip().startswith(("%", "!")))).body
+            last = body[-1] if body else None
+            if isinstance(last, ast.Expr) and not (isinstance(last.value, ast.Call)
+                                                   and getattr(last.value.func, "id", "") == "print"):
+                ending.append(f"{path.name} {meta['grade_id']}: {ast.unparse(last)[:60]}")
+    assert not ending, ending
