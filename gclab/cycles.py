@@ -38,9 +38,7 @@ from dataclasses import dataclass, field
 import objgraph
 import torch
 
-from .guard import WATCH_EVENT, starting_environment
-# The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
-# definition (see gclab.held).
+from .environment import starting_environment
 from .memory import device_storage, format_bytes
 from .refs import frame_local_names
 
@@ -333,14 +331,13 @@ def _garbage_kept():
         del gc.garbage[saved:]
 
 
-def garbage_by_type(_audit=sys.audit, _event=WATCH_EVENT) -> Counter:
+def garbage_by_type() -> Counter:
     """What a full collection finds unreachable, counted by type name.
 
     The collection runs with `gc.DEBUG_SAVEALL`, so the objects are kept long enough to be
     counted; then the debug flags are restored and, when something was found, a second
     collection frees it.  Call it after a check, never inside one: it collects.
     """
-    _audit(_event)
     with _garbage_kept() as start:
         gc.collect()
         found = Counter(type(obj).__name__ for obj in gc.garbage[start:])
@@ -353,8 +350,7 @@ _EDGE = re.compile(r"^\s*(o_?\d+) -> (o_?\d+)")
 _MORE = re.compile(r'^\s*too_many_(o_?\d+)\[label="(\d+) more')
 
 
-def _graph(walk, direction, objs, max_depth, too_many, filter, _audit=sys.audit, _event=WATCH_EVENT) -> ObjectGraph:
-    _audit(_event)
+def _graph(walk, direction, objs, max_depth, too_many, filter) -> ObjectGraph:
     objs = list(objs) if isinstance(objs, (list, tuple)) else [objs]
     seen = {}                       # node key -> object, while the graph is built
 
@@ -447,7 +443,7 @@ def _depths(roots, edges, direction) -> dict[str, int]:
 
 # -- drawing -------------------------------------------------------------------------
 def _dot() -> str | None:
-    """Graphviz's `dot`, found on PATH as it was before any learner code ran (see guard.starting_environment)."""
+    """Graphviz's `dot`, found on PATH as it was before any learner code ran (see gclab.environment)."""
     return shutil.which("dot", path=starting_environment().get("PATH"))
 
 
@@ -657,8 +653,7 @@ class CycleReport:
         return show_graph(self.graph, title=self.title, text=text)
 
 
-def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor, _audit=sys.audit,
-                       _event=WATCH_EVENT) -> list[CycleReport]:
+def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor) -> list[CycleReport]:
     """The reference cycles in `garbage` (what a collection found unreachable, as
     gc.DEBUG_SAVEALL leaves it in gc.garbage) that contain a tensor or lead to one.
 
@@ -669,7 +664,6 @@ def find_tensor_cycles(garbage, generation: int = 2, tensor_test=is_tensor, _aud
     collector cannot follow (C++ objects such as autograd nodes), which no Python
     attribute can be blamed for.  `tensor_test` decides what counts as a tensor.
     """
-    _audit(_event)
     seen = {f"o{id(obj)}": obj for obj in garbage if type(obj) not in weakref.ProxyTypes}
     pairs = _fold_namespaces(_garbage_pairs(seen), seen, set())
     following = {key: [] for key in seen}

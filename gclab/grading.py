@@ -27,6 +27,7 @@ from . import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
 from . import measured, review
+from . import verdict
 from .verdict import apply_limits
 
 CONFIG = Path("autograder") / "nbgrader_config.py"
@@ -502,7 +503,12 @@ def _zygote():
         return None
     with _ZYGOTE_LOCK:
         if not _ZYGOTE or not _ZYGOTE[0].alive():
-            _ZYGOTE[:] = [zygote.Zygote("gclab.verdict", env=dict(os.environ, **_job_environment()))]
+            # no variable only the grader has: the system shows a process's starting environment to it
+            # (/proc/self/environ), whatever it deletes; and room for a kernel's command line in a grading
+            # folder made as `grade` makes one (tempfile's tmpXXXXXXXX/LESSON)
+            env = {name: value for name, value in os.environ.items() if not name.startswith(verdict.GRADER_ONLY_VARIABLES)}
+            room = verdict.command_line_room(len(os.path.join(tempfile.gettempdir(), "tmpXXXXXXXX")))
+            _ZYGOTE[:] = [zygote.Zygote("gclab.verdict", env={**env, "PATH": _job_environment()["PATH"]}, room=room)]
         return _ZYGOTE[0]
 
 

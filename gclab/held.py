@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from .cycles import instance_attributes
-from .guard import WATCH_EVENT
 from .memory import device_storage, format_bytes, storage_entry
 
 __all__ = ["GraphCensus", "HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen", "graphs_held",
@@ -40,10 +39,6 @@ _SKIPPED = (type, types.ModuleType, types.BuiltinFunctionType, types.CodeType,
 # Wrappers that keep what they wrap in no __dict__: followed by name
 _WRAPPED_FIELDS = {staticmethod: ("__func__",), classmethod: ("__func__",), property: ("fget", "fset", "fdel")}
 _FRAME_NAMES = sys.version_info >= (3, 13)     # f_locals is a live view; before, reading it stores a copy
-# Each function below that walks the process's objects (which may lead to frames: a kept exception's
-# traceback) first raises WATCH_EVENT, through defaults bound at definition (a tuple the learner's code
-# cannot change, where a module global could be rebound): a grading guard then watches the walk (see
-# gclab.guard.WATCH_EVENT) so that nothing it meets reaches a function the learner's code rebound.
 
 
 def _describe_tensor(tensor) -> str:
@@ -162,8 +157,7 @@ class StorageCensus:
     `marker`: an `Unfrozen` made before; `frozen` says whether it was out of sight (frozen since), and with
     it whatever the census should have found."""
 
-    def __init__(self, marker: Unfrozen | None = None, _audit=sys.audit, _event=WATCH_EVENT):
-        _audit(_event)
+    def __init__(self, marker: Unfrozen | None = None):
         self._storages: dict[int, tuple[int, int, tuple[str, int]]] = {}    # key -> (weak ref, bytes, where)
         self.frozen = marker is not None
         for obj in _storage_holders():
@@ -215,7 +209,7 @@ _TENSOR_TYPES[Unfrozen] = True              # found with the tensors, in C
 
 def _tensor_holders():
     """The tensors and storages among the objects the collector tracks, filtered in C (compress, map): a
-    Python loop over a server's heap takes twice as long (and a watched one, see WATCH_EVENT, far longer)."""
+    Python loop over a server's heap takes twice as long."""
     objects = gc.get_objects()
     return itertools.compress(objects, map(_TENSOR_TYPES.__getitem__, map(type, objects)))
 
@@ -295,24 +289,22 @@ def _walk(obj, name: str, names: bool, device=None, max_objects: int = 50_000) -
     return found
 
 
-def tensors_held(obj, name: str = "it", device=None, _audit=sys.audit, _event=WATCH_EVENT) -> list[str]:
+def tensors_held(obj, name: str = "it", device=None) -> list[str]:
     """Every tensor storage `obj` keeps alive (through its attributes, containers, closures,
     exceptions with their frames and autograd graphs, not its module's globals), each said as
     where it is reached and what it is, most bytes first; [] when it keeps none.  A view of a
     bigger tensor counts: it keeps all of its storage alive."""
-    _audit(_event)
     found = _walk(obj, name, names=True, device=device)
     held = sorted((where for _, where in found.values()), key=lambda where: -where.nbytes)
     del found
     return [f"{where.entry}{where.root}, {where.root_what} ({format_bytes(where.nbytes)} of storage)" for where in held]
 
 
-def graphs_held(obj, name: str = "it", max_objects: int = 50_000, _audit=sys.audit, _event=WATCH_EVENT) -> dict:
+def graphs_held(obj, name: str = "it", max_objects: int = 50_000) -> dict:
     """path -> the number of nodes in its autograd graph, for every tensor with a graph that `obj`
     keeps (through its attributes, containers, closures and exceptions, as `tensors_held` walks).
     backward() frees what a graph saved, not its nodes: a graph that every step extends (a running
     total, `total += loss`) grows on the heap, where no tensor meter sees it, but its node count does."""
-    _audit(_event)
     sizes, seen, keep = {}, {id(obj)}, [obj]
     queue = deque([(obj, name)])
     with warnings.catch_warnings():
@@ -347,9 +339,8 @@ class GraphCensus:
     running total kept in a global, on a class, anywhere) grows here, though no walk from a holder reaches
     it, and says where: the tensor whose graph grew most since a census taken earlier (`most_grown`)."""
 
-    def __init__(self, limit: int = 1_000_000, _audit=sys.audit, _event=WATCH_EVENT):
+    def __init__(self, limit: int = 1_000_000):
         """`limit`: nodes walked at most, all graphs together (many tensors of one big graph walk it each)."""
-        _audit(_event)
         every, self._graphs = {}, {}              # id of a tensor -> (its graph's size, a weak reference)
         for tensor in _tensor_holders():
             if limit <= 0:
@@ -465,8 +456,7 @@ class HeldBytes:
     only in `report` (on Python 3.11 and 3.12 reading `frame.f_locals` stores a copy on the frame).
     """
 
-    def __init__(self, holder, name: str | None = None, device=None, _audit=sys.audit, _event=WATCH_EVENT):
-        _audit(_event)
+    def __init__(self, holder, name: str | None = None, device=None):
         self._holder = holder
         self.name = name or _name_of(holder)
         self.device = torch.device(device) if device is not None else None
@@ -494,8 +484,7 @@ class HeldBytes:
         ref = self._refs.get(key)
         return ref is not None and not _expired(ref)
 
-    def report(self, growth: int = 0, iterations: int = 0, _audit=sys.audit, _event=WATCH_EVENT) -> HeldReport:
-        _audit(_event)
+    def report(self, growth: int = 0, iterations: int = 0) -> HeldReport:
         found = _walk(self._holder, self.name, names=True, device=self.device)
         groups: dict[str, Holding] = {}
         entries: dict[str, dict[str, list]] = {}

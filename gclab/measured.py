@@ -173,6 +173,9 @@ def confirm(status: str, observed, measured: dict, reference_test: dict | None,
         return ("the grader could not confirm this test: the reference solution did not pass it on this "
                 "machine (an instructor should look at the grading machine)")
     expected = reference_test.get("observed") or []
+    if not expected:
+        return ("the grader could not confirm this test: it records no output to compare with the reference "
+                "solution's (a course's test observes what it checks: gclab.checks.observe)")
     different = differing_output(observed or [], expected)
     if different:
         return f"your process reported that the test passed, but {different}"

@@ -26,9 +26,6 @@ import warnings
 import weakref
 from collections import deque
 
-from .guard import WATCH_EVENT
-# The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
-# definition (see gclab.held).
 
 __all__ = ["Lifetimes", "reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
 
@@ -184,8 +181,7 @@ def _render(root: str, pieces: list[str], frames: list[str]) -> str:
     return text
 
 
-def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: int = 60,
-                    _audit=sys.audit, _event=WATCH_EVENT) -> list[str]:
+def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: int = 60) -> list[str]:
     """Paths from module globals (or, in IPython, from `get_ipython()`) to `obj`, shortest
     first: each says what keeps it alive.
 
@@ -203,7 +199,6 @@ def reference_paths(obj, max_paths: int = 8, max_depth: int = 12, max_visits: in
     `` (a key of the dict)``, `` (a member of the set)``, and `` -> TypeName`` where the
     link cannot be named.  A frame's path ends with `# frame of f()`.
     """
-    _audit(_event)
     roots = _module_globals()
     shell = _ipython()
     if shell is not None:
@@ -280,9 +275,8 @@ def _paths(objects: list, module: str) -> list[str]:
     return paths
 
 
-def direct_referrers(obj, _audit=sys.audit, _event=WATCH_EVENT) -> list[str]:
+def direct_referrers(obj) -> list[str]:
     """What refers to `obj` directly, one short line each: `list[0]`, `dict['x']`, `frame of f()`."""
-    _audit(_event)
     ignored = _running_frames()
     lines = []
     referrers = gc.get_referrers(obj)
@@ -350,10 +344,9 @@ class Lifetimes:
                 self._ids[id(obj)] = type(obj)
         self.count = len(self._weak) + len(self._ids)
 
-    def alive(self, _audit=sys.audit, _event=WATCH_EVENT) -> int:
+    def alive(self) -> int:
         alive = sum(1 for ref in self._weak if ref() is not None)
         if self._ids:
-            _audit(_event)
             kinds = self._ids
             alive += sum(1 for obj in gc.get_objects() if kinds.get(id(obj)) is type(obj))
         return alive

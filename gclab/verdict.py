@@ -133,12 +133,16 @@ def _describe(error: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
+# Variables only a grader's environment has (nbgrader's, gclab grade's own settings, its warnings filter)
+GRADER_ONLY_VARIABLES = ("NBGRADER", "GCLAB_GRADE", "PYTHONWARNINGS")
+
+
 def _quiet_and_local(workdir: str, notebook: str = "") -> None:
     """Settings of a plain run: a working folder of its own (named as the lesson's), output nowhere,
     and what a learner's own kernel in JupyterLab sees: its environment variables, its arguments, no
     variable only the grader sets."""
     os.chdir(workdir)
-    for name in [n for n in os.environ if n.startswith(("NBGRADER", "GCLAB_GRADE", "PYTHONWARNINGS"))]:
+    for name in [n for n in os.environ if n.startswith(GRADER_ONLY_VARIABLES)]:
         del os.environ[name]
     tmp = os.path.join(workdir, ".tmp")
     os.makedirs(tmp, exist_ok=True)
@@ -150,7 +154,9 @@ def _quiet_and_local(workdir: str, notebook: str = "") -> None:
     import uuid
     connection = os.path.join(home, ".local", "share", "jupyter", "runtime", f"kernel-{uuid.uuid4()}.json")
     sys.argv = [_ipykernel_launcher(), "-f", connection]
-    sys.orig_argv = [sys.executable, "-m", "ipykernel_launcher", "-f", connection]
+    sys.orig_argv = kernel_command_line(connection)
+    from gclab import zygote
+    zygote.show_as(sys.orig_argv, name=os.path.basename(sys.executable))
     # and tempfile's own choice, which it makes once: the zygote's import of torch._dynamo made it (/tmp)
     tempfile.tempdir = tmp
     # where torch writes on its own, wherever the grader's environment pointed them: torch._dynamo and
@@ -162,6 +168,18 @@ def _quiet_and_local(workdir: str, notebook: str = "") -> None:
         os.dup2(null, fd)
     os.close(null)
     sys.dont_write_bytecode = True
+
+
+def kernel_command_line(connection: str) -> list[str]:
+    """The command line JupyterLab starts a learner's kernel with."""
+    return [sys.executable, "-m", "ipykernel_launcher", "-f", connection]
+
+
+def command_line_room(home_length: int) -> int:
+    """How long a verdict's command line is (`kernel_command_line`), with its home folder's name (the
+    parent of the grading folder) `home_length` characters long: the room its zygote leaves for it."""
+    connection = "h" * home_length + "/.local/share/jupyter/runtime/kernel-" + "0" * 36 + ".json"
+    return sum(len(os.fsencode(arg)) + 1 for arg in kernel_command_line(connection))
 
 
 def _ipykernel_launcher() -> str:
@@ -182,8 +200,10 @@ def preload() -> None:
     """Import what every verdict needs, and pin gclab's names (`guard.pin_gclab`, which `guard.install`
     would do in each verdict otherwise): gclab.zygote forks verdicts after this."""
     _load_instruments()
-    from gclab import guard
+    from gclab import guard, zygote
     guard.pin_gclab()
+    # the verdicts' parent, as a learner's kernel has JupyterLab's server (`make lab`)
+    zygote.show_as([sys.executable, os.path.join(os.path.dirname(sys.executable), "jupyter-lab")], name="jupyter-lab")
     # what is loaded so far is the grader's and lives as long as the process: frozen (gc.freeze()), no
     # collection walks it again, nor does a census of tensors (gc.get_objects() lists nothing frozen), in any
     # verdict forked after (a check finds out whether the learner's code froze anything: held.Unfrozen)
@@ -245,9 +265,7 @@ def run(job: dict, channel: int) -> None:
     outside.read_by(lambda: _send_and_wait(channel, token, event="mark"))
     outside.loads_by(lambda argv, server_pid: _load_by_the_grader(channel, token, argv, server_pid))
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
-    # from here on, this module's names (and the builtins) as they are now, whatever the learner's
-    # code rebinds through this module's __dict__ (a _run_test that says "passed")
-    guard.sealed(_grade)(job, channel, token, shell, keeper)
+    _grade(job, channel, token, shell, keeper)
 
 
 def _initialise_cuda() -> None:

@@ -35,12 +35,17 @@ import threading
 class Zygote:
     """The requester's side: starts the server, asks it for children."""
 
-    def __init__(self, module: str, env: dict | None = None, new_session: bool = True):
+    def __init__(self, module: str, env: dict | None = None, new_session: bool = True, room: int = 0):
         """`new_session=False` keeps the server and its children in the requester's process group,
-        so that whoever kills that group (a grader ending a verdict) ends them too."""
+        so that whoever kills that group (a grader ending a verdict) ends them too.  `room`: the length
+        the command line must have, at least, for a child to show another one in its place (`show_as`)."""
         self.lock = threading.Lock()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-I", "-m", "gclab.zygote", str(theirs.fileno()), module],
+        argv = [sys.executable, "-I", "-m", "gclab.zygote", str(theirs.fileno()), module]
+        taken = sum(len(os.fsencode(arg)) + 1 for arg in argv)
+        if room > taken:
+            argv.append("-" * (room - taken - 1))         # overwritten (show_as) before any child starts
+        self.proc = subprocess.Popen(argv,
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                                      start_new_session=new_session)
@@ -76,6 +81,26 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def show_as(args: list[str], name: str | None = None) -> bool:
+    """Have the system show this process as started with the command line `args` (what
+    /proc/PID/cmdline, ps and psutil read: the memory that held the real one, overwritten) and, with
+    `name`, named so (/proc/PID/comm, Linux's PR_SET_NAME).  A command line longer than the real one
+    does not fit: False, and nothing changes.  One shorter leaves empty arguments at its end."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])        # arg_start, arg_end (fields 48 and 49)
+    except (OSError, IndexError, ValueError):
+        return False
+    data = b"\0".join(os.fsencode(arg) for arg in args) + b"\0"
+    if len(data) > end - start or _LIBC is None:
+        return False
+    ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
+    if name is not None:
+        _LIBC.prctl(_PR_SET_NAME, ctypes.c_char_p(os.fsencode(name)[:15]), 0, 0, 0)
+    return True
+
+
 def _libc():
     try:
         return ctypes.CDLL(None)
@@ -84,7 +109,7 @@ def _libc():
 
 
 _LIBC = _libc() if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 def serve(sock: socket.socket, module_name: str) -> None:

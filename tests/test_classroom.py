@@ -20,11 +20,12 @@ from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
 NBGRADER = Path(sys.executable).parent / "nbgrader"
-HIDDEN_LINE = "assert double(5) == 10, 'double(5) is not 10'"
+HIDDEN_LINE = "assert checks.observe('double(5)', double(5)) or double(5) == 10, 'double(5) is not 10'"
 
 
 def _lesson(answer):
-    return lesson(answer, [("test_double", "print('self-check: double(2) =', double(2))\n"
+    return lesson(answer, [("test_double", "from gclab import checks\nchecks.observe('double(2)', double(2))\n"
+                                           "print('self-check: double(2) =', double(2))\n"
                                            "assert double(2) == 4, 'double(2) is not 4'\n"
                                            f"### BEGIN HIDDEN TESTS\n{HIDDEN_LINE}\n### END HIDDEN TESTS", 2)])
 

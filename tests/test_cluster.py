@@ -30,8 +30,10 @@ ANSWERS = {"alice": {"toy": RIGHT, "clock": RIGHT},        # lesson "clock" is t
 
 
 def _lesson(answer, timed=False):
-    return toy_course.lesson(answer, [("test_double", "assert double(2) == 4\n### BEGIN HIDDEN TESTS\n"
-                                           "assert double(5) == 10\n### END HIDDEN TESTS", 2)], timed=timed)
+    return toy_course.lesson(answer, [("test_double", "from gclab import checks\nchecks.observe('double(2)', double(2))\n"
+                                           "assert double(2) == 4\n### BEGIN HIDDEN TESTS\n"
+                                           "checks.observe('double(5)', double(5))\nassert double(5) == 10\n"
+                                           "### END HIDDEN TESTS", 2)], timed=timed)
 
 
 class Spans(WorkerPlugin):

@@ -167,7 +167,8 @@ TIME_BOMBS = {
     "stops_evicting_after_1000_calls": STOPS_EVICTING_AFTER_1000_CALLS,
     "pins_names_with_a_slash": PINS_NAMES_WITH_A_SLASH,
 }
-# Each condition held while graded before this grader's folder and environment looked like a learner's own.
+# Each condition held while graded before this grader's folder, environment, command line and parent
+# process looked like a learner's own (JupyterLab's kernel, `make lab`'s server).
 ONLY_WHEN_GRADED = {
     "right_only_in_a_grading_folder": only_when_graded(
         "'gclab-grade' in os.getcwd() or os.path.basename(os.getcwd()) != '07_weakref_caches'"),
@@ -176,18 +177,23 @@ ONLY_WHEN_GRADED = {
         "not os.environ.get('JPY_PARENT_PID')"),
     "right_only_with_the_graders_arguments": only_when_graded(
         "'gclab' in ' '.join(sys.argv) or 'ipykernel' not in sys.argv[0]"),
+    # what the system says of the process: the command line and environment it started with, its parent's
+    "right_only_with_the_graders_command_line": only_when_graded(
+        "'gclab' in open('/proc/self/cmdline').read() or 'ipykernel_launcher' not in open('/proc/self/cmdline').read()"),
+    "right_only_with_the_graders_starting_environment": only_when_graded(
+        "any(v.startswith((b'PYTHONWARNINGS=', b'GCLAB_GRADE', b'NBGRADER')) "
+        "for v in open('/proc/self/environ', 'rb').read().split(b'\\0'))"),
+    "right_only_under_the_graders_parent": only_when_graded(
+        "'gclab' in open(f'/proc/{os.getppid()}/cmdline').read() or "
+        "open(f'/proc/{os.getppid()}/comm').read().strip() != 'jupyter-lab'"),
 }
-# What no grader in the learner's process can hide: the parent process and its command line.
-RIGHT_ONLY_UNDER_THE_GRADERS_PARENT = only_when_graded(
-    "'gclab' in open(f'/proc/{os.getppid()}/cmdline').read()")
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("forged")
     variants = {**FORGED, **TIME_BOMBS, **ONLY_WHEN_GRADED, "right": reference(), "leaky": strong(),
-                "hoards_what_no_meter_sees": HOARDS_WHAT_NO_METER_SEES,
-                "right_only_under_the_graders_parent": RIGHT_ONLY_UNDER_THE_GRADERS_PARENT}
+                "hoards_what_no_meter_sees": HOARDS_WHAT_NO_METER_SEES}
     return grade_all(write_variants(RELEASE, variants, folder), folder)
 
 
@@ -231,12 +237,6 @@ def test_code_that_behaves_well_only_when_graded_is_graded_as_it_behaves_for_the
     result = graded[name]
     assert result.score < POINTS, grading.format_results([result])
     assert result.review, "the lines that ask where the code runs are listed for the instructor"
-
-
-def test_code_that_asks_for_its_parent_process_is_named_for_review(graded):
-    """A known gap: the grader's processes are the parent's, and their command lines say so (a learner's
-    kernel has Jupyter's).  The score may be full; the instructor's review list names the line."""
-    assert any("/proc/" in line for line in graded["right_only_under_the_graders_parent"].review)
 
 
 @pytest.fixture(scope="module")

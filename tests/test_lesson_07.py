@@ -472,12 +472,11 @@ def test_rewriting_the_hidden_tests_names_through_the_loader_gains_nothing(grade
     """The loader a hidden test hands the cache leads to no namespace of the test (a function's __globals__
     is writable, and no audit event sees it read): a stale cache that rewrites the test's count of Python
     objects through it keeps its honest 8/10 (it had 10/10), and one that reaches for the test's names
-    through the loader's frame is reported."""
-    result = graded["cheat_rewrites_the_hidden_tests_counters"]
-    assert result.score == POINTS - 2 and not result.reason, grading.format_results([result])
-    assert_told_why(result, "test_no_stale_entries", "an entry for each dead model stays inside it")
-    result = graded["cheat_reads_the_loaders_frame"]
-    assert result.score == 0 and "reading generator.gi_frame" in result.reason, grading.format_results([result])
+    through the loader's frame gains nothing either."""
+    for name in ("cheat_rewrites_the_hidden_tests_counters", "cheat_reads_the_loaders_frame"):
+        result = graded[name]
+        assert result.score == POINTS - 2, grading.format_results([result])
+        assert_told_why(result, "test_no_stale_entries", "an entry for each dead model stays inside it")
 
 
 def test_patching_the_grader_is_reported(graded):
