@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import objgraph
 import torch
 
-from .guard import WATCH_EVENT, starting_environment
+from .grader.guard import WATCH_EVENT, starting_environment  # TODO(lead): instrument imports grader
 # The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
 # definition (see gclab.held).
 from .memory import device_storage, format_bytes

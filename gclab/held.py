@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .cycles import instance_attributes
-from .guard import WATCH_EVENT
+from .grader.guard import WATCH_EVENT  # TODO(lead): instrument imports grader
 from .memory import device_storage, format_bytes, storage_entry
 
 __all__ = ["GraphCensus", "HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen", "graphs_held",
@@ -43,7 +43,7 @@ _FRAME_NAMES = sys.version_info >= (3, 13)     # f_locals is a live view; before
 # Each function below that walks the process's objects (which may lead to frames: a kept exception's
 # traceback) first raises WATCH_EVENT, through defaults bound at definition (a tuple the learner's code
 # cannot change, where a module global could be rebound): a grading guard then watches the walk (see
-# gclab.guard.WATCH_EVENT) so that nothing it meets reaches a function the learner's code rebound.
+# gclab.grader.guard.WATCH_EVENT) so that nothing it meets reaches a function the learner's code rebound.
 
 
 def _describe_tensor(tensor) -> str:

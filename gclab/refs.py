@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections import deque
 
-from .guard import WATCH_EVENT
+from .grader.guard import WATCH_EVENT  # TODO(lead): instrument imports grader
 # The functions that walk the process's objects raise WATCH_EVENT first, through defaults bound at
 # definition (see gclab.held).
 

@@ -57,7 +57,7 @@ from pathlib import Path
 
 from . import outside
 from .gcwatch import Collection, GCWatch, gc_disabled
-from .guard import starting_environment
+from .grader.guard import starting_environment  # TODO(lead): instrument imports grader
 
 __all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "ServedCollection", "measure", "compare", "spread",
            "run_load", "schedule", "InlineRun", "serve_inline", "full_collection_cpu",
@@ -548,14 +548,14 @@ async def _watch_idle_and_parent(state: ServerState, idle_after: float, parent: 
 
 
 def _install_guard(policy, workdir=None):
-    """The lead's guard (gclab.guard), installed before the policy runs: it locks the grader's
+    """The lead's guard (gclab.grader.guard), installed before the policy runs: it locks the grader's
     modules, lists what was replaced and refuses the policy what reaches past the server's tools
     (frames, the collector's object graph, ctypes, new processes).  The policy may write only in
     `workdir` (ModelServer makes it and removes it once the server has stopped)."""
     if not policy:
         return None
     try:
-        from . import guard
+        from .grader import guard  # TODO(lead): instrument imports grader
     except ImportError:             # pragma: no cover - a gclab without it still checks its record
         return None
     main = sys.modules.get("__main__")

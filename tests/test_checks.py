@@ -1149,7 +1149,8 @@ def test_a_sealed_call_is_one_of_the_functions_the_checks_vouch_for(monkeypatch)
 
 GUARDED_SEALED_CALL = '''
 import json, sys
-from gclab import checks, guard
+from gclab import checks
+from gclab.grader import guard
 keeper = guard.install(sys.argv[1], processes=False, files=True)
 _counted = []
 def _count(i):

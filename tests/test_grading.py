@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab import grading
+from gclab.grader import grading
 from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,7 +185,7 @@ def hostile(course, tmp_path_factory):
             " 'status': 'passed'}) + '\\n').encode())\n"
             "    except OSError:\n        pass"),
         # a guard of its own has nothing of the grader's: the grader's record of replacements stands
-        "clears_the_guards_record": ("import gclab.guard, gclab.memory\nmine = gclab.guard.install()\n"
+        "clears_the_guards_record": ("import gclab.grader.guard, gclab.memory\nmine = gclab.grader.guard.install()\n"
                                      "getattr(mine, '_manifest').clear()\nmine.refused.clear()\nput = setattr\n"
                                      "put(gclab.memory.Meter, 'describe', lambda self: '')\n"
                                      "def double(x):\n    return 2 * x"),
@@ -222,7 +222,7 @@ def hostile(course, tmp_path_factory):
         "frames_through_singledispatch": "import functools, json, os, sys\ndef double(x):\n    return x + 1\n"
         "def steal():\n" + walks_to_the_token("functools.singledispatch(sys._getframe)(0)", " " * 4) + "steal()",
         # the guard's own names rebound through its module's __dict__ (listed, not refused) before reaching in
-        "rebinds_the_guards_own_names": "import gclab.guard, json, objgraph, os\nvars(gclab.guard)['_REACHING'] = frozenset()\n"
+        "rebinds_the_guards_own_names": "import gclab.grader.guard, json, objgraph, os\nvars(gclab.grader.guard)['_REACHING'] = frozenset()\n"
         "jobs = [d for d in objgraph.by_type('dict') if 'tests' in d and 'workdir' in d]\n"
         "def double(x):\n    return x + 1\n",
         # the audit hook handed a path object: its __fspath__ must not run inside the hook, where no event is judged
@@ -271,7 +271,7 @@ def hostile(course, tmp_path_factory):
         "json.dumps = _passed\ndef double(x):\n    return x + 1",
         "swallows_failures_in_redirect_stdout": "import contextlib\n"
         "contextlib._RedirectStream.__exit__ = lambda self, *exc: True\ndef double(x):\n    return x + 1",
-        "rebinds_the_verdicts_own_names": "import gclab.verdict\nvars(gclab.verdict)['_run_test'] = "
+        "rebinds_the_verdicts_own_names": "import gclab.grader.verdict\nvars(gclab.grader.verdict)['_run_test'] = "
         "lambda *args: {'status': 'passed', 'message': '', 'output': ''}\ndef double(x):\n    return x + 1",
         # sys._getframe called in C by a callable handed to gclab's code (a flat check's step): the frame is gclab's
         "step_that_calls_getframe_in_c": "import collections, json, os, sys, torch\ndef double(x):\n    return x + 1\n"
@@ -421,7 +421,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("frames_through_singledispatch", "sys._getframe by functools.py"),
     ("rebinds_the_guards_own_names", "gc.get_objects (reaching into the grader's objects)"),
     ("fspath_called_inside_the_hook", "sys._getframe"),
-    ("rebinds_the_verdicts_own_names", "gclab.verdict._run_test was replaced"),
+    ("rebinds_the_verdicts_own_names", "gclab.grader.verdict._run_test was replaced"),
     ("step_that_calls_getframe_in_c", "sys._getframe by gclab/checks.py"),
     ("torch_function_mode_left_active", "a torch function mode the notebook's code entered is still active"),
     ("key_compared_inside_the_hook", "sys._getframe"),
@@ -519,15 +519,15 @@ def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
 
 
 def _verdict_processes() -> list:
-    """Verdict processes still running: started as `gclab.verdict`, or forked from the grader's
-    zygote server (`gclab.zygote FD gclab.verdict`, the one process allowed to stay)."""
+    """Verdict processes still running: started as `gclab.grader.verdict`, or forked from the grader's
+    zygote server (`gclab.zygote FD gclab.grader.verdict`, the one process allowed to stay)."""
     servers = {z.proc.pid for z in grading._ZYGOTE}
     return [pid for pid in _descendants_of(os.getpid()) if pid not in servers and _running(pid)
-            and b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            and b"gclab.grader.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def _descendants_of(parent: int) -> list:
-    from gclab._nbgrader_job import _children_of, _descendants
+    from gclab.grader._nbgrader_job import _children_of, _descendants
     return _descendants(_children_of(parent))
 
 
@@ -556,7 +556,7 @@ def test_a_grader_killed_mid_grading_leaves_no_verdict_running(course, tmp_path,
         while time.monotonic() < deadline and not looping():
             time.sleep(0.2)
             verdicts = [pid for pid in _descendants_of(grader.pid) if _running(pid)
-                        and b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                        and b"gclab.grader.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes()]
             runs_it = [pid for pid in verdicts if _parent_of(pid) in verdicts] if forked else verdicts
             looping = lambda: any(_cpu_seconds(pid) > (2 if forked else 6) for pid in runs_it)   # noqa: E731
         assert looping(), "no verdict process ran the submission's loop"
@@ -742,7 +742,7 @@ def test_torchs_own_cache_folders_go_in_the_grading_folder_wherever_the_grader_p
 
 FORKED_UNTIL_THE_GUARD = '''
 import os, sys
-from gclab import guard, verdict
+from gclab.grader import guard, verdict
 verdict.preload()
 preloaded = set(sys.modules)
 
@@ -762,7 +762,7 @@ verdict.forked({"memory_limit": None}, [job_read, channel])
 
 def test_a_forked_verdict_imports_nothing_before_the_learners_code(tmp_path):
     """What a verdict needs is imported once by the zygote server: a module imported after the fork
-    is paid again by every submission (nbformat, through gclab.grading, cost 2 s each)."""
+    is paid again by every submission (nbformat, through gclab.grader.grading, cost 2 s each)."""
     done = subprocess.run([sys.executable, "-c", FORKED_UNTIL_THE_GUARD % tmp_path], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -816,7 +816,7 @@ LIES_INSIDE_GCLABS_CHECK = {
 
 
 def test_a_name_gclabs_check_reads_cannot_be_swapped_while_it_runs(tmp_path):
-    """gclab's code looks up none of its global names while it runs (`gclab.pinning`): a builtin or a name
+    """gclab's code looks up none of its global names while it runs (`gclab.grader.pinning`): a builtin or a name
     put in gclab's module that lies to the flat check and then goes is never asked."""
     course = make_course(tmp_path / "course", {"toy": lesson(
         "### BEGIN SOLUTION\ndef step(i):\n    torch.ones(1000)\n### END SOLUTION", FLAT_TESTS,

@@ -1,4 +1,4 @@
-"""gclab.guard keeps its own state out of the graded code's reach: what the learner's code does
+"""gclab.grader.guard keeps its own state out of the graded code's reach: what the learner's code does
 to the guard's module, class or settings changes nothing installed, and every replacement it
 makes is still listed by the installer's handle.
 
@@ -18,7 +18,7 @@ import pytest
 GRADER = textwrap.dedent('''
     import json, sys
     import gclab.checks, gclab.memory, gclab.serving
-    from gclab import guard
+    from gclab.grader import guard
     workdir = sys.argv[1]
     if len(sys.argv) > 2:         # a folder of installed libraries whose bytecode is never cached
         sys.path.append(sys.argv[2])
@@ -53,17 +53,17 @@ ATTEMPT = textwrap.dedent('''
 
 LEARNER = ATTEMPT + textwrap.dedent('''
     import gc, os, subprocess, sys, types
-    import gclab.guard, gclab.memory
+    import gclab.grader.guard, gclab.memory
 
-    outcomes["a handle on the installed guard"] = [n for n in ("current", "_current") if hasattr(gclab.guard, n)]
-    mine = gclab.guard.install()                    # a guard of its own: its hook is refused
+    outcomes["a handle on the installed guard"] = [n for n in ("current", "_current") if hasattr(gclab.grader.guard, n)]
+    mine = gclab.grader.guard.install()                    # a guard of its own: its hook is refused
     getattr(mine, "_manifest").clear()
     mine.refused.clear()
     mine.processes, mine.files = True, False
     mine.trust(compile("", workdir_file, "exec"))
-    gclab.guard.Guard._judge = lambda self, event, args, frame: None
-    gclab.guard.Guard.replaced = lambda self: []
-    vars(gclab.guard)["_same_tool"] = lambda *args, **kwargs: True
+    gclab.grader.guard.Guard._judge = lambda self, event, args, frame: None
+    gclab.grader.guard.Guard.replaced = lambda self: []
+    vars(gclab.grader.guard)["_same_tool"] = lambda *args, **kwargs: True
     put = setattr
     put(gclab.memory.Meter, "describe", lambda self: "exact, trust me")
     vars(gc)["isenabled"] = lambda: False
@@ -122,8 +122,8 @@ def test_devices_that_are_not_memory_may_still_be_written(attacked):
 
 
 @pytest.mark.parametrize("replaced", [
-    "gclab.memory.Meter.describe", "gclab.guard.Guard._judge", "gclab.guard.Guard.replaced",
-    "gclab.guard._same_tool", "gc.isenabled",
+    "gclab.memory.Meter.describe", "gclab.grader.guard.Guard._judge", "gclab.grader.guard.Guard.replaced",
+    "gclab.grader.guard._same_tool", "gc.isenabled",
     "numpy.lib._function_base_impl._ureduce",   # a library's internals, which the grader's statistics run through
     "torch.UntypedStorage.nbytes",              # inherited from torch's C base, shadowed on the class
 ])
@@ -136,7 +136,7 @@ def test_every_replacement_is_listed_by_the_installers_handle(attacked, replaced
 # same libraries, which stays allowed.
 ROUTES = ATTEMPT + textwrap.dedent('''
     import functools, heapq, importlib.machinery, inspect, os, shutil, signal, sys, textwrap, traceback, types
-    import gclab.guard
+    import gclab.grader.guard
 
     def caught():
         try:
@@ -206,8 +206,8 @@ ROUTES = ATTEMPT + textwrap.dedent('''
             lambda: eval(compile("sys._getframe(0)", "../" * 12 + os.__file__.lstrip("/"), "eval")))
     attempt("a path whose __fspath__ the hook would call", lambda: shutil.rmtree(PathThatReadsFrames(), ignore_errors=True))
     attempt("code named by a str of its own", lambda: eval(compile("sys._getframe(0)", NamedByAStrOfItsOwn("<mine>"), "eval")))
-    vars(gclab.guard)["_REACHING"] = frozenset()
-    vars(gclab.guard)["_FRAME_EVENTS"] = frozenset()
+    vars(gclab.grader.guard)["_REACHING"] = frozenset()
+    vars(gclab.grader.guard)["_FRAME_EVENTS"] = frozenset()
     import builtins
     real_type = builtins.type
     vars(builtins)["type"] = lambda *args: str
@@ -449,10 +449,10 @@ def test_no_route_hands_the_learner_a_frame(routes, route, refusal):
 
 
 def test_gclabs_walk_calls_none_of_its_own_functions_rebound(routes):
-    """gclab's code is pinned when the guard is installed (`gclab.pinning`): its walk calls its own function,
+    """gclab's code is pinned when the guard is installed (`gclab.grader.pinning`): its walk calls its own function,
     not the stand-in put in its module's namespace, which is handed nothing.  Where pinning is not supported
     (Python other than 3.11) the guard refuses the call instead."""
-    from gclab import pinning
+    from gclab.grader import pinning
     outcome = routes["outcomes"]["gclab.held's walk, one of its functions rebound"]
     if pinning.SUPPORTED:
         assert outcome == "allowed", outcome
@@ -525,7 +525,7 @@ def test_library_functions_are_named_by_their_path_in_their_library(tmp_path):
     """The guard's lists of library functions name each file from the folder its library is installed in,
     so another package's file with the same basename (dask's core.py beside sympy's) is not taken for it;
     and every file listed is, where its package is installed, a file of it with the function listed in it."""
-    from gclab import guard
+    from gclab.grader import guard
     keeper = guard.Guard(str(tmp_path), processes=False, files=False)
     purelib = sysconfig.get_paths()["purelib"]
     assert keeper._library_name(inspect.__file__) == "inspect.py"

@@ -1,4 +1,4 @@
-"""gclab.pinning: pinned code looks up none of its global names while it runs, and does what it did."""
+"""gclab.grader.pinning: pinned code looks up none of its global names while it runs, and does what it did."""
 import builtins
 import gc
 import sys
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from gclab import pinning
+from gclab.grader import pinning
 
 pytestmark = pytest.mark.skipif(not pinning.SUPPORTED, reason="pinning changes nothing on this Python")
 

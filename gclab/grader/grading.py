@@ -100,7 +100,7 @@ def _is_zombie(pid: int) -> bool:
 
 def _generate_assignment(course: Path, assignment: str, timeout=None) -> subprocess.CompletedProcess:
     """nbgrader generate_assignment in a process of its own (it runs no learner code)."""
-    return _run([sys.executable, "-m", "gclab._nbgrader_job", str(course), assignment], course, timeout)
+    return _run([sys.executable, "-m", "gclab.grader._nbgrader_job", str(course), assignment], course, timeout)
 
 
 def _course_config(root: Path):
@@ -298,7 +298,7 @@ class TestResult:
     status: str           # passed, failed, error, timeout, tampered
     message: str = ""     # what was wrong, and by how much (never a line of a hidden test)
     output: str = ""      # what the test's visible self-checks printed
-    measured: dict = field(default_factory=dict)   # the grader's own figures of the test (gclab.measured)
+    measured: dict = field(default_factory=dict)   # the grader's own figures of the test (gclab.grader.measured)
     observed: list = field(default_factory=list, repr=False)   # what the test observed, for the grader alone
 
 
@@ -312,7 +312,7 @@ class NotebookResult:
     reason: str = ""      # why the whole notebook scored what it did, when not the tests' own doing
     student: str = ""
     lesson_notebook: str = ""     # the lesson's notebook name (the submission's file may be named otherwise)
-    # lines of the answers that read what tells a grading run from the learner's own (gclab.review): for the
+    # lines of the answers that read what tells a grading run from the learner's own (gclab.grader.review): for the
     # instructor's class report, never the score or the learner's feedback
     review: list[str] = field(default_factory=list)
     measured: dict = field(default_factory=dict)    # the grader's figures of the whole run
@@ -443,7 +443,7 @@ class _Started:
     """A verdict process started as a subprocess (a fresh Python)."""
 
     def __init__(self, job_bytes: bytes, workdir: str, channel: int, memory_limit):
-        self.proc = subprocess.Popen([sys.executable, "-m", "gclab.verdict", str(channel)], cwd=workdir,
+        self.proc = subprocess.Popen([sys.executable, "-m", "gclab.grader.verdict", str(channel)], cwd=workdir,
                                      env=dict(os.environ, **_job_environment()), stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(channel,),
                                      start_new_session=True, preexec_fn=lambda: apply_limits(memory_limit))
@@ -497,12 +497,12 @@ _ZYGOTE_LOCK = threading.Lock()
 
 def _zygote():
     """The zygote server of this grader, or None when GCLAB_GRADE_FORK=0 or there is none."""
-    from . import zygote
+    from .. import zygote
     if os.environ.get("GCLAB_GRADE_FORK") == "0" or not zygote.available():
         return None
     with _ZYGOTE_LOCK:
         if not _ZYGOTE or not _ZYGOTE[0].alive():
-            _ZYGOTE[:] = [zygote.Zygote("gclab.verdict", env=dict(os.environ, **_job_environment()))]
+            _ZYGOTE[:] = [zygote.Zygote("gclab.grader.verdict", env=dict(os.environ, **_job_environment()))]
         return _ZYGOTE[0]
 
 
@@ -654,7 +654,7 @@ def _send_load(watch: measured.Watch, argv, server) -> list:
     """The load a verdict process asked for, sent by the grader from a process of its own (outside the
     verdict's session), reading the server's CPU time at every request sent and answered; its figures
     go with the test's.  [] (refused) unless the arguments are a load's and the server is the verdict's."""
-    from . import procfs, serving
+    from .. import procfs, serving
     try:
         args = serving.main_parser().parse_args([str(a) for a in argv])
         server = int(server)
@@ -819,7 +819,7 @@ def grade_one(path, root: Path, student: str = "", timeout: int = 900, memory_li
               cell_timeout: int | None = None, lesson: tuple[str, str] | None = None) -> NotebookResult:
     """Grade one submitted notebook: the unit of work of every grading command.
 
-    The score comes from a verdict process started for it (`gclab.verdict`): the lesson's
+    The score comes from a verdict process started for it (`gclab.grader.verdict`): the lesson's
     own set-up, given and test cells with the learner's answer cells, the grader's tools
     loaded and guarded before the learner's code runs.  The learner's code runs nowhere
     else.  `memory_limit` caps that process's address space, so that a submission that
@@ -918,7 +918,7 @@ def _cell_timeout(root: Path) -> int:
 
 def _judge(root, workdir, source_nb, submitted, result, cell_timeout, memory_limit, timeout) -> None:
     """Score every test cell: the verdict process's results, each "passed" confirmed by the grader's
-    own figures against the reference solution's (gclab.measured)."""
+    own figures against the reference solution's (gclab.grader.measured)."""
     conditions = {"cell_timeout": cell_timeout, "memory_limit": memory_limit, "timeout": timeout}
     reference = reference_figures(root, result.assignment, result.lesson_notebook, source_nb, conditions)
     job = verdict_job(source_nb, submitted, workdir, hidden=[root], notebook=result.lesson_notebook)
@@ -943,7 +943,7 @@ def reference_of(root: Path, assignment: str, timeout: int = 900, memory_limit: 
 
 
 def reference_figures(root: Path, assignment: str, notebook: str, source_nb, conditions: dict) -> dict:
-    """The reference solution's run of the lesson's tests on this machine (see gclab.measured): kept in
+    """The reference solution's run of the lesson's tests on this machine (see gclab.grader.measured): kept in
     autograder/work/cache/ per lesson, source and machine; run in a folder named as the lesson."""
     def compute():
         with tempfile.TemporaryDirectory() as folder:

@@ -244,7 +244,7 @@ def pin_gclab() -> int:
     This module's code, which binds its own names (`sealed`), is left alone.  Returns how many
     functions were pinned now."""
     from . import pinning
-    gclab_dir = os.path.dirname(os.path.realpath(__file__)) + os.sep
+    gclab_dir = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
     modules = {id(m): m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)
                and os.path.realpath(getattr(m, "__file__", None) or "/").startswith(gclab_dir)
                and m.__name__ not in (__name__, pinning.__name__)}
@@ -425,7 +425,7 @@ def _type_name(value) -> str:
 def _library_roots() -> tuple:
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots |= {os.path.dirname(os.__file__), os.path.dirname(os.path.abspath(__file__))}
+    roots |= {os.path.dirname(os.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
     return tuple(sorted({os.path.realpath(r) + os.sep for r in roots}))
 
@@ -434,7 +434,7 @@ class Guard:
     def __init__(self, workdir, processes: bool, files: bool, hidden=()):
         self.workdir = os.path.realpath(workdir) + os.sep
         self.processes, self.files = processes, files
-        self.gclab_dir = os.path.dirname(os.path.realpath(__file__)) + os.sep
+        self.gclab_dir = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
         self.hidden = tuple(os.path.realpath(h) + os.sep for h in hidden)
         self.refused: list = []
         self._roots = _library_roots()

@@ -182,7 +182,7 @@ def preload() -> None:
     """Import what every verdict needs, and pin gclab's names (`guard.pin_gclab`, which `guard.install`
     would do in each verdict otherwise): gclab.zygote forks verdicts after this."""
     _load_instruments()
-    from gclab import guard
+    from gclab.grader import guard
     guard.pin_gclab()
     # what is loaded so far is the grader's and lives as long as the process: frozen (gc.freeze()), no
     # collection walks it again, nor does a census of tensors (gc.get_objects() lists nothing frozen), in any
@@ -217,7 +217,7 @@ def _load_instruments():
     import gclab.checks, gclab.cycles, gclab.gcwatch, gclab.held, gclab.memory, gclab.plots, gclab.refs, gclab.serving  # noqa: F401,E401
     # what lessons import from gclab besides (a hidden test's grading.tampering: nbformat, 3.8 s per verdict
     # here); imported now, they are pinned with the rest of gclab (guard.pin_gclab)
-    import gclab.grading, gclab.traces, gclab.widgets  # noqa: F401,E401
+    import gclab.grader.grading, gclab.traces, gclab.widgets  # noqa: F401,E401
     import resource  # noqa: F401  (apply_limits)
     import sqlite3  # noqa: F401  (IPython's history)
     # what InteractiveShell.instance() imports (tests/test_grading.py names any it would import after the fork)
@@ -231,7 +231,7 @@ def run(job: dict, channel: int) -> None:
     token = _Token(job.pop("token"))
     _quiet_and_local(job["workdir"], job.get("notebook", ""))
     shell_class = _load_instruments()
-    from gclab import guard
+    from gclab.grader import guard
     shell = shell_class.instance()
     shell.display_pub.publish = lambda *args, **kwargs: None     # plots and displays go nowhere
     # and so would an answer cell's traceback: IPython's, which hands the frames of the cell's error to the
