@@ -530,7 +530,7 @@ def test_library_functions_are_named_by_their_path_in_their_library(tmp_path):
     purelib = sysconfig.get_paths()["purelib"]
     assert keeper._library_name(inspect.__file__) == "inspect.py"
     assert keeper._library_name(os.path.join(purelib, "dask", "bag", "core.py")) == "dask/bag/core.py"
-    assert keeper._library_name(guard.__file__) == "gclab/guard.py"
+    assert keeper._library_name(guard.__file__) == "gclab/grader/guard.py"
     listed = (guard._FRAME_PASSING | guard._FRAME_SUMMARIES | guard._FRAME_LOCALS_READERS
               | guard._CALLER_LOCALS_READERS | guard._CALLING_BACK | guard._SIGNAL_HANDLERS)
     for file, function in sorted(listed):
