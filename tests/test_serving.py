@@ -727,7 +727,7 @@ def test_without_the_zygote_each_server_is_a_fresh_python(monkeypatch):
 
 def test_graded_code_cannot_start_a_server_through_the_zygote(tmp_path):
     """Forking is starting a process: the guard refuses it to the learner's code as it refuses Popen."""
-    code = ("import gclab.memory, gclab.serving\nfrom gclab import guard\n"
+    code = ("import gclab.memory, gclab.serving\nfrom gclab.grader import guard\n"
             "gclab.serving.prestart()\n"              # as lesson 06's set-up cell does, before the learner's code
             f"keeper = guard.install({str(tmp_path)!r}, processes=False)\n"
             "learner = 'import gclab.serving, os, socket\\ntry:\\n    gclab.serving.ModelServer(heap_objects=1000).start()\\n"
