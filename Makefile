@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -c constraints.txt $(PIP_ARGS) -e ".[course,test]"
 	touch $@
 
-# The notebooks' kernel, in this checkout's .venv only (gclab.course.KERNELSPEC).
+# The notebooks' kernel, in this checkout's .venv only (gclab.grader.course.KERNELSPEC).
 $(KERNEL): $(STAMP) Makefile
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (gclab)"
 	touch $@

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gclab import classroom, cluster, grading
+from gclab.grader import classroom, cluster, grading
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sequential", "threads", "local", "2-workers")

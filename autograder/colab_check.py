@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from gclab import course  # noqa: E402
+from gclab.grader import course  # noqa: E402
 
 # What Colab has preinstalled (issue 13; Colab's runtime of 2026), and what runs notebooks here.
 COLAB_PACKAGES = ["torch==2.11.0", "ipywidgets==7.7.1", "notebook==6.5.7", "matplotlib==3.10.*"]

@@ -4,7 +4,7 @@ check pass a step that replaces what it keeps?
 Found by `gclab gpu-check` on an H100 (torch 2.11, 2026-11-26): torch's profiler, tracing the CPU
 only, reports no CUDA allocation at all, so lessons 05, 07 and 08 failed their own flat check there
 (what a step replaced was not subtracted).  The census now reads CUDA's side from the caching
-allocator's own history (`gclab.memory._CudaHistory`).  This probe prints, for a step that replaces
+allocator's own history (`gclab.census._CudaHistory`).  This probe prints, for a step that replaces
 what it keeps (an LRU of two 1 MiB tensors), on each device: what the census held at each mark,
 whether the places it recorded match the storages' own (device, data_ptr), and the flat check's
 verdict.  One call, about 20 s:

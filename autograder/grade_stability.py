@@ -2,7 +2,7 @@
 
     .venv/bin/python autograder/grade_stability.py [--repeats N] [--hogs K] NOTEBOOK.ipynb ...
 
-Each round grades every notebook with `gclab.grading.grade` once on the machine as it is
+Each round grades every notebook with `gclab.grader.grading.grade` once on the machine as it is
 ("quiet") and once with K CPU-bound processes beside it ("contended"; `Hogs` from
 verdict_stability.py).  It prints each grading, then per notebook the scores seen in each
 condition: a notebook whose scores differ flips, and the script exits 1.  For lesson 06's
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verdict_stability import Hogs  # noqa: E402
 
-from gclab import grading  # noqa: E402
+from gclab.grader import grading  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python autograder/grader_figures.py [--lessons 03 07 ...] [--out figures.md]
 
-For each lesson it grades, with `gclab.grading.grade`:
+For each lesson it grades, with `gclab.grader.grading.grade`:
 - the reference solution (its figures are the ones every submission is compared with);
 - the untouched release;
 - two plausible wrong fixes from the lesson's tests (the first two of `WRONG` in tests/test_lesson_NN.py),
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from gclab import grading  # noqa: E402
+from gclab.grader import grading  # noqa: E402
 
 
 def _figures(test) -> str:

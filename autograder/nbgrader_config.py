@@ -51,18 +51,18 @@ c.ExecutePreprocessor.kernel_name = "python3"
 # nbgrader's autograde (and the Formgrader's "Autograde" button) grades with the course's grader, as
 # `make grade-class` does: the lesson mirrored into the gradebook first, then each submission graded in a
 # verdict process of its own (the hidden tests out of the learner's reach); nbgrader writes the graded
-# notebook the grader returns, and executes nothing itself (gclab.preprocessors).
+# notebook the grader returns, and executes nothing itself (gclab.grader.preprocessors).
 def _mirror_lesson(**submission):
-    from gclab.preprocessors import mirror_lesson      # imported when autograde runs, not for every command
+    from gclab.grader.preprocessors import mirror_lesson      # imported when autograde runs, not for every command
     mirror_lesson(**submission)
 
 
 c.Autograde.pre_convert_hook = _mirror_lesson
-c.Autograde.sanitize_preprocessors = ["gclab.preprocessors.GradeWithTheCourse"]
+c.Autograde.sanitize_preprocessors = ["gclab.grader.preprocessors.GradeWithTheCourse"]
 c.Autograde.autograde_preprocessors = []
 c.Autograde.permissions = 644            # nbgrader's default (444) would stop `make grade-class` regrading it
 # nbgrader's generate_feedback (the "Generate Feedback" button) writes the course's own feedback pages, HTML
 # and Markdown, with the scores set by hand in the Formgrader; a notebook graded otherwise keeps no hidden line.
-c.GenerateFeedback.exporter_class = "gclab.preprocessors.CourseFeedback"
-c.GenerateFeedback.preprocessors = ["nbgrader.preprocessors.GetGrades", "gclab.preprocessors.StripHiddenTests",
+c.GenerateFeedback.exporter_class = "gclab.grader.preprocessors.CourseFeedback"
+c.GenerateFeedback.preprocessors = ["nbgrader.preprocessors.GetGrades", "gclab.grader.preprocessors.StripHiddenTests",
                                     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor"]

@@ -6,7 +6,7 @@ For each notebook (default: solutions/*/*.ipynb) it replaces, in one read and on
 only two things: the install block at the top of the set-up cell (grade_id "setup": from
 its first line to the `subprocess.run([... "pip", "install" ...])` line and the
 `importlib.invalidate_caches()` after it) with
-`gclab.course.SETUP_BLOCK`, and the notebook's kernelspec with `gclab.course.KERNELSPEC`.
+`gclab.grader.course.SETUP_BLOCK`, and the notebook's kernelspec with `gclab.grader.course.KERNELSPEC`.
 Every other cell, and the rest of the set-up cell, is left as it is. Running it again
 changes nothing. Then `make release` regenerates notebooks/.
 """
@@ -19,7 +19,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from gclab.course import KERNELSPEC, SETUP_BLOCK  # noqa: E402
+from gclab.grader.course import KERNELSPEC, SETUP_BLOCK  # noqa: E402
 
 FIRST_LINE = SETUP_BLOCK.splitlines()[0]
 PIP_LINE_START = '    subprocess.run([sys.executable, "-m", "pip", "install"'

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     g.add_argument("--out", type=Path, help="where autograded/, feedback/ and reports/ go (default: the course)")
     g.add_argument("--db-url", help="the gradebook (default: CourseDirectory.db_url of the course's nbgrader config)")
     g.add_argument("--scheduler", help="grade on a Dask cluster: its scheduler's address, or 'local' for "
-                                       "one local worker with --jobs grading slots (see gclab.cluster)")
+                                       "one local worker with --jobs grading slots (see gclab.grader.cluster)")
     g.add_argument("--json", action="store_true", help="print the results as JSON")
     g.add_argument("--force", action="store_true",
                    help="a class: grade every submission again, also those that did not change (nor did their "
@@ -71,10 +71,10 @@ def main(argv=None) -> int:
     c.add_argument("--side", choices=["both", "cuda", "cpu"], default="both", help=argparse.SUPPRESS)
 
     args = parser.parse_args(argv)
-    from . import grading
+    from .grader import grading
 
     if args.command == "release":
-        from . import course
+        from .grader import course
         root = args.course or grading.find_course_root()
         if args.source is not None:
             try:
@@ -111,10 +111,10 @@ def main(argv=None) -> int:
         print(grading.results_json(results) if args.json else grading.format_results(results))
         return 0
     if args.command == "gpu-check":
-        from . import gpucheck
+        from .tools import gpucheck
         return gpucheck.main(args.course or grading.find_course_root(), args.lessons, side=args.side,
                              jobs=max(1, args.jobs), json_path=args.json, tests=not args.no_tests)
-    from . import bench
+    from .tools import bench
     return bench.main(args.course or grading.find_course_root(), args.lessons)
 
 
@@ -123,7 +123,7 @@ class _Stopped(Exception):
 
 
 def _grade_class(args, parser):
-    from . import classroom, grading
+    from .grader import classroom, grading
     root = args.course or grading.find_course_root()
     submitted = args.submissions or root / "submitted"
     submissions = classroom.find_submissions(submitted, root)
@@ -135,7 +135,7 @@ def _grade_class(args, parser):
     progress = classroom.Progress(len(submissions))
     with _stopped_by_signals():
         if args.scheduler:
-            from . import cluster
+            from .grader import cluster
             return cluster.grade_on_cluster(submissions, settings, args.scheduler, jobs=max(1, args.jobs),
                                             progress=progress)
         return classroom.grade_class(submissions, settings, jobs=max(1, args.jobs), progress=progress)
@@ -145,10 +145,10 @@ def _grade_class(args, parser):
 def _stopped_by_signals():
     """SIGTERM and SIGHUP (a `kill`, a closed terminal) stop a class's grading cleanly: the gradings
     under way end with their processes and record nothing, the run's temporary folders go, and
-    the report of the last finished run stays set aside (gclab.classroom.class_run)."""
+    the report of the last finished run stays set aside (gclab.grader.classroom.class_run)."""
     import signal
-    from . import classroom
-    from ._nbgrader_job import end_descendants
+    from .grader import classroom
+    from .grader._nbgrader_job import end_descendants
 
     received = []
 

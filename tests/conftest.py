@@ -2,7 +2,7 @@ import gc
 
 import pytest
 
-import gclab._jsonschema  # noqa: F401  (before any test module imports nbformat: see there)
+import gclab.grader._jsonschema  # noqa: F401  (before any test module imports nbformat: see there)
 
 
 # The modules that take longest (each grades a lesson's submissions, or many small courses, minutes on 2

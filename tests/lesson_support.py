@@ -5,7 +5,8 @@ from pathlib import Path
 
 import nbformat
 
-from gclab import bench, classroom, grading
+from gclab.grader import classroom, grading
+from gclab.tools import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 

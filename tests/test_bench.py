@@ -3,7 +3,7 @@ from pathlib import Path
 
 import nbformat
 
-from gclab import bench
+from gclab.tools import bench
 
 
 def test_a_lesson_has_the_default_budget_unless_its_notebook_sets_one(tmp_path):

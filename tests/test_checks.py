@@ -932,8 +932,8 @@ def test_tensors_kept_only_while_the_collector_is_on_behind_a_freed_reserve_are_
 
 def test_a_torch_without_the_census_profiler_api_is_judged_without_that_count(collect_after, monkeypatch):
     """Colab's torch may lay its profiler out otherwise: the check then counts less, and fails no one for it."""
-    import gclab.memory
-    monkeypatch.setattr(gclab.memory, "_PROFILER", None)
+    import gclab.census
+    monkeypatch.setattr(gclab.census, "_PROFILER", None)
     report = run_flat_check(lambda i: torch.ones(8).sum().item(), iterations=4)
     assert report.ok and report.allocated_watched == [], report.explain()
 
@@ -1149,7 +1149,8 @@ def test_a_sealed_call_is_one_of_the_functions_the_checks_vouch_for(monkeypatch)
 
 GUARDED_SEALED_CALL = '''
 import json, sys
-from gclab import checks, guard
+from gclab import checks
+from gclab import guard
 keeper = guard.install(sys.argv[1], processes=False, files=True)
 _counted = []
 def _count(i):

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab import classroom, feedback, gradebook, grading, report
+from gclab.grader import classroom, feedback, gradebook, grading, report
 from lesson_support import handed_back_text, leaked_lines
 from toy_course import lesson, make_course
 

@@ -19,7 +19,7 @@ from distributed import Client, WorkerPlugin
 from postgres import running
 import toy_course
 
-from gclab import classroom, cluster, gradebook, grading
+from gclab.grader import classroom, cluster, gradebook, grading
 from gclab.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab import course, grading
+from gclab.grader import course, grading
 from toy_course import cell, make_course
 
 ROOT = Path(__file__).resolve().parent.parent

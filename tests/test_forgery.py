@@ -12,7 +12,7 @@ from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, writ
 from test_lesson_03 import LEAKY as LEAKY_PAIR, RELEASE as RELEASE_03
 from test_lesson_07 import POINTS, RELEASE, reference, strong
 
-from gclab import grading
+from gclab.grader import grading
 
 # An array over any address: what the attacks below read and write memory with.
 ANY_ADDRESS = '''

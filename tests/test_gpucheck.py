@@ -3,7 +3,7 @@ import nbformat
 import pytest
 import torch
 
-from gclab import gpucheck
+from gclab.tools import gpucheck
 from gclab.__main__ import main
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab import grading
+from gclab.grader import grading
 from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,7 +265,7 @@ def hostile(course, tmp_path_factory):
         "json.dumps = _passed\ndef double(x):\n    return x + 1",
         "swallows_failures_in_redirect_stdout": "import contextlib\n"
         "contextlib._RedirectStream.__exit__ = lambda self, *exc: True\ndef double(x):\n    return x + 1",
-        "rebinds_the_verdicts_own_names": "import gclab.verdict\nvars(gclab.verdict)['_run_test'] = "
+        "rebinds_the_verdicts_own_names": "import gclab.grader.verdict\nvars(gclab.grader.verdict)['_run_test'] = "
         "lambda *args: {'status': 'passed', 'message': '', 'output': ''}\ndef double(x):\n    return x + 1",
         # sys._getframe called in C by a callable handed to gclab's code (a flat check's step): the frame is gclab's
         "step_that_calls_getframe_in_c": "import collections, json, os, sys, torch\ndef double(x):\n    return x + 1\n"
@@ -415,7 +415,7 @@ def test_hostile_submission_scores_no_more_than_the_untouched_one_and_says_why(h
     ("key_compared_inside_the_hook", "your process reported that the test passed, but it recorded 0 outputs"),
     ("frame_through_a_builtin_shadowed_in_a_library", "your process reported that the test passed, but it recorded 0 outputs"),
     ("collector_callback_inside_the_hook", "your process reported that the test passed, but it recorded 0 outputs"),
-    ("rebinds_the_verdicts_own_names", "gclab.verdict._run_test was replaced"),
+    ("rebinds_the_verdicts_own_names", "gclab.grader.verdict._run_test was replaced"),
     ("torch_function_mode_left_active", "a torch function mode the notebook's code entered is still active"),
     ("claims_to_wrap_a_tool", "gc.get_stats was replaced"),
     ("rebinds_what_ipython_hands_frames_to", "ValueError: the traceback is drawn"),
@@ -496,15 +496,15 @@ def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
 
 
 def _verdict_processes() -> list:
-    """Verdict processes still running: started as `gclab.verdict`, or forked from the grader's
+    """Verdict processes still running: started as `gclab.grader.verdict`, or forked from the grader's
     zygote server (the one process allowed to stay; its children show a kernel's command line)."""
     servers = {z.proc.pid for z in grading._ZYGOTE}
     return [pid for pid in _descendants_of(os.getpid()) if pid not in servers and _running(pid)
-            and (_parent_of(pid) in servers or b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes())]
+            and (_parent_of(pid) in servers or b"gclab.grader.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes())]
 
 
 def _descendants_of(parent: int) -> list:
-    from gclab._nbgrader_job import _children_of, _descendants
+    from gclab.grader._nbgrader_job import _children_of, _descendants
     return _descendants(_children_of(parent))
 
 
@@ -533,7 +533,7 @@ def test_a_grader_killed_mid_grading_leaves_no_verdict_running(course, tmp_path,
         while time.monotonic() < deadline and not looping():
             time.sleep(0.2)
             verdicts = [pid for pid in _descendants_of(grader.pid) if _running(pid)
-                        and (forked or b"gclab.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes())]
+                        and (forked or b"gclab.grader.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes())]
             runs_it = [pid for pid in verdicts if _parent_of(pid) in verdicts] if forked else verdicts
             looping = lambda: any(_cpu_seconds(pid) > (2 if forked else 6) for pid in runs_it)   # noqa: E731
         assert looping(), "no verdict process ran the submission's loop"
@@ -719,7 +719,8 @@ def test_torchs_own_cache_folders_go_in_the_grading_folder_wherever_the_grader_p
 
 FORKED_UNTIL_THE_GUARD = '''
 import os, sys
-from gclab import guard, verdict
+from gclab import guard
+from gclab.grader import verdict
 verdict.preload()
 preloaded = set(sys.modules)
 
@@ -739,7 +740,7 @@ verdict.forked({"memory_limit": None}, [job_read, channel])
 
 def test_a_forked_verdict_imports_nothing_before_the_learners_code(tmp_path):
     """What a verdict needs is imported once by the zygote server: a module imported after the fork
-    is paid again by every submission (nbformat, through gclab.grading, cost 2 s each)."""
+    is paid again by every submission (nbformat, through gclab.grader.grading, cost 2 s each)."""
     done = subprocess.run([sys.executable, "-c", FORKED_UNTIL_THE_GUARD % tmp_path], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

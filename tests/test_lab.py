@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gclab import course
+from gclab.grader import course
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "gclab-lab-test"

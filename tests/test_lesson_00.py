@@ -12,7 +12,7 @@ from lesson_support import (
     assert_told_why, cell_result, grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 
 SOLUTION = ROOT / "solutions" / "00_measuring_memory" / "00_measuring_memory.ipynb"
 RELEASE = ROOT / "notebooks" / "00_measuring_memory" / "00_measuring_memory.ipynb"

@@ -12,7 +12,7 @@ from lesson_support import (
     shows_error, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 
 SOLUTION = ROOT / "solutions" / "01_reference_counting" / "01_reference_counting.ipynb"
 RELEASE = ROOT / "notebooks" / "01_reference_counting" / "01_reference_counting.ipynb"

@@ -13,7 +13,8 @@ from lesson_support import (
     grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
-from gclab import cycles, grading
+from gclab import cycles
+from gclab.grader import grading
 
 LESSON = "02_cycles_and_the_collector"
 SOLUTION = ROOT / "solutions" / LESSON / f"{LESSON}.ipynb"

@@ -15,7 +15,7 @@ from lesson_support import (
     ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered, cell_result, grade_all, plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 from gclab.gcwatch import collector_design
 
 SOLUTION = ROOT / "solutions" / "03_node_leak" / "03_node_leak.ipynb"
@@ -412,7 +412,7 @@ def test_the_production_policy_of_collecting_young_generations_every_n_steps_ear
 
 
 def test_answers_that_look_at_how_they_run_are_listed_for_the_instructor(graded):
-    """Listed in the class report (gclab.review), whatever their score: what reads whether it is measured."""
+    """Listed in the class report (gclab.grader.review), whatever their score: what reads whether it is measured."""
     assert not graded["solution"].review
     assert any("if gc.isenabled():" in line and "whether the collector is on" in line
                for line in graded["leaks_unless_collector_off"].review), graded["leaks_unless_collector_off"].review

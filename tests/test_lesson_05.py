@@ -13,7 +13,7 @@ from lesson_support import (
     assert_told_why, grade_all, plots_drawn, printed_text, problems, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 
 SOLUTION = ROOT / "solutions" / "05_training_loop_leaks" / "05_training_loop_leaks.ipynb"
 RELEASE = ROOT / "notebooks" / "05_training_loop_leaks" / "05_training_loop_leaks.ipynb"

@@ -17,7 +17,7 @@ from lesson_support import (
     ROOT, assert_full_marks, grade_all, assert_no_marks_until_answered, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 
 pytestmark = pytest.mark.timed     # run alone by `make test`: it times a server
 

@@ -12,7 +12,7 @@ from lesson_support import (
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 
 SOLUTION = ROOT / "solutions" / "07_weakref_caches" / "07_weakref_caches.ipynb"
 RELEASE = ROOT / "notebooks" / "07_weakref_caches" / "07_weakref_caches.ipynb"

@@ -14,7 +14,7 @@ from lesson_support import (
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
 
-from gclab import grading
+from gclab.grader import grading
 
 SOLUTION = ROOT / "solutions" / "08_capstone" / "08_capstone.ipynb"
 RELEASE = ROOT / "notebooks" / "08_capstone" / "08_capstone.ipynb"

@@ -1,10 +1,11 @@
-"""The grader's own measurements (gclab.measured, gclab.procfs): what decides whether a "passed" stands."""
+"""The grader's own measurements (gclab.grader.measured, gclab.procfs): what decides whether a "passed" stands."""
 import os
 import subprocess
 import sys
 import time
 
-from gclab import measured, procfs
+from gclab import procfs
+from gclab.grader import measured
 
 MiB = 1024 * 1024
 

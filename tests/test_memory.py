@@ -967,7 +967,7 @@ def _history(*actions):
 
 
 def test_cuda_history_counts_what_is_kept_between_marks_and_not_the_marks_own_blocks():
-    from gclab.memory import _history_events, _replay
+    from gclab.census import _history_events, _replay
     entries = _history("mark", ("alloc", 0x1000, 2 << 20), ("alloc", 0x2000, 512), ("free_requested", 0x2000, 512),
                        ("free_completed", 0x2000, 512), "mark", ("segment_alloc", 0x9000, 20 << 20), "mark")
     alive = {}
@@ -976,7 +976,7 @@ def test_cuda_history_counts_what_is_kept_between_marks_and_not_the_marks_own_bl
 
 
 def test_cuda_history_counts_the_release_of_what_an_earlier_census_carried_only():
-    from gclab.memory import _history_events, _replay
+    from gclab.census import _history_events, _replay
     entries = _history("mark", ("free_requested", 0x1000, 4096), ("free_requested", 0x5000, 4096), "mark")
     alive = {("cuda:0", 0x1000): 4096}
     assert _replay(_history_events(entries, "cuda:0"), alive) == [0, -4096]
@@ -986,7 +986,7 @@ def test_cuda_history_counts_the_release_of_what_an_earlier_census_carried_only(
 def test_cuda_history_may_begin_with_the_segment_mapped_for_the_census_start():
     """The first block on a stream the allocator has no memory for yet comes from a new segment: the
     history lists the segment first (seen on an H100, torch 2.11)."""
-    from gclab.memory import _history_events, _replay
+    from gclab.census import _history_events, _replay
     segment = {"action": "segment_alloc", "addr": 0xB000, "size": 2 << 20, "stream": MARKS_STREAM}
     entries = [segment] + _history("mark", ("alloc", 0x1000, 4096), "mark")
     assert _replay(_history_events(entries, "cuda:0", MARKS_STREAM), {}) == [0, 4096]
@@ -994,7 +994,7 @@ def test_cuda_history_may_begin_with_the_segment_mapped_for_the_census_start():
 
 def test_cuda_history_that_does_not_begin_with_the_census_start_has_no_count():
     """Restarted by the code it watched (turning it off clears it), or wrapped round: no count."""
-    from gclab.memory import _history_events
+    from gclab.census import _history_events
     assert _history_events([], "cuda:0") is None
     assert _history_events(_history("mark")[1:], "cuda:0") is None
     restarted = [{"action": "alloc", "addr": 0x1000, "size": 4096, "stream": 0}] + _history("mark")
@@ -1017,7 +1017,7 @@ class FakeAllocatorHistory:
         self.next_addr, self.next_stream, self.live = 0x10000, 0x7000, {}
 
     def install(self, monkeypatch):
-        import gclab.memory as memory
+        import gclab.census as census
         fake = self
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -1029,8 +1029,8 @@ class FakeAllocatorHistory:
         monkeypatch.setattr(torch.cuda, "caching_allocator_alloc",
                             lambda size, device=None, stream=None: fake.alloc(size, stream.cuda_stream))
         monkeypatch.setattr(torch.cuda, "caching_allocator_delete", self.free)
-        monkeypatch.setattr(memory, "_MARK_STREAMS", {})
-        monkeypatch.setattr(memory, "_HISTORY_WITH_ROOM", set())
+        monkeypatch.setattr(census, "_MARK_STREAMS", {})
+        monkeypatch.setattr(census, "_HISTORY_WITH_ROOM", set())
         return self
 
     def record(self, enabled="all", **_):

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from gclab import grading
+from gclab.grader import grading
 
 ROOT = Path(__file__).resolve().parent.parent
 

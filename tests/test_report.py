@@ -5,11 +5,11 @@ import csv
 
 import pytest
 
-from gclab import grading, report
-from gclab.grading import NotebookResult
+from gclab.grader import grading, report
+from gclab.grader.grading import NotebookResult
 
 # Messages as gclab.checks (FlatReport.explain, PolicyReport.explain, compare), the lessons' test
-# cells and gclab.grading word them, with the cause each must get.
+# cells and gclab.grader.grading word them, with the cause each must get.
 FLAT_LEAK = ("memory did not return to its baseline: {a} MiB above it after iteration 1, {b} MiB after iteration 20 "
              "(about 51.20 KiB per iteration). Something still refers to the tensors each step creates.")
 COLLECTOR_ON = ("with the collector switched on, memory was {a} MiB above its baseline after iteration 2 of 5: "
@@ -84,7 +84,7 @@ REAL_MESSAGES = [
                 "step's; a fix keeps none of them once the step is done. the collector ran 20 time(s) during the "
                 "check (generation 2): a fix must free memory by reference counting alone, without gc.collect() or "
                 "the automatic collector."), report.COLLECTION_DURING_CHECK),
-    # an answer cell that never ends (gclab.grading), whatever the test then said
+    # an answer cell that never ends (gclab.grader.grading), whatever the test then said
     ("failed", ("your answer cell answer_pair ran past 180 seconds and was stopped (does it loop forever?), so what "
                 "it defines after that point was never run; then the test said: make_pair is not defined yet: write "
                 "Node and make_pair in the answer cell and run it"), report.ANSWER_STOPPED),

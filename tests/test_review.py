@@ -1,5 +1,5 @@
-"""gclab.review lists the lines of an answer that read what tells a grading run from the learner's own."""
-from gclab.review import environment_reads
+"""gclab.grader.review lists the lines of an answer that read what tells a grading run from the learner's own."""
+from gclab.grader.review import environment_reads
 
 
 def test_each_way_to_tell_a_grading_run_is_listed_with_what_it_reads():

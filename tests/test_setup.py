@@ -162,7 +162,7 @@ def test_readme_shows_the_two_commands():
 
 
 def test_the_kernel_is_registered_per_checkout_as_the_notebooks_name_it():
-    from gclab import course
+    from gclab.grader import course
     makefile = (ROOT / "Makefile").read_text()
     installs = re.findall(r"ipykernel install .*", makefile)
     assert installs, "the Makefile registers no Jupyter kernel"

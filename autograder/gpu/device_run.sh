@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gclab-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile .whl/*.whl -e . \
     > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 3; }
-python3 -c "import torch, gclab.gpucheck as g; print(g.device_line())" || exit 3
+python3 -c "import torch, gclab.tools.gpucheck as g; print(g.device_line())" || exit 3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 60 python3 autograder/gpu_census_probe.py > "$OUT/probe.log" 2>&1; cut -c1-600 "$OUT/probe.log"
 timeout 280 python3 -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -rfE --durations=10 \

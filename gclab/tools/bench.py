@@ -16,15 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-from . import _jsonschema  # noqa: F401  (before nbformat: see there)
+from ..grader import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 import torch
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import grading
-from .memory import Meter
+from ..grader import grading
+from ..memory import Meter
 
 EXECUTE_TARGET_S = 60.0
 GRADE_MARGIN_S = 10.0

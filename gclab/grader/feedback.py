@@ -9,7 +9,7 @@ A score the instructor set by hand that stands (`gradebook.ManualScore`) is show
 in place of the automatic one, so that the feedback says what the gradebook says.  The graded
 notebook keeps the grade as the grader gave it in its metadata (`gclab.result`: what the learner
 may read of it), from which nbgrader's own "Generate Feedback" writes this same page
-(`gclab.preprocessors.CourseFeedback`).
+(`gclab.grader.preprocessors.CourseFeedback`).
 """
 from __future__ import annotations
 

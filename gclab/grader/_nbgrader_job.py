@@ -1,10 +1,10 @@
 """nbgrader's generate_assignment for one lesson, run by gclab in a child process of its own:
 
-    python -m gclab._nbgrader_job COURSE ASSIGNMENT
+    python -m gclab.grader._nbgrader_job COURSE ASSIGNMENT
 
 It loads the course's autograder/nbgrader_config.py and regenerates the assignment (the
 student release and its gradebook entries) under a supervisor that ends every process
-it started.  COURSE is a scratch course (`gclab.grading.prepare`): its gradebook is its own
+it started.  COURSE is a scratch course (`gclab.grader.grading.prepare`): its gradebook is its own
 SQLite file, whatever gradebook the configuration names (a PostgreSQL URL names the live one).
 """
 import argparse
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from traitlets.config.loader import PyFileConfigLoader
-    from gclab import _jsonschema  # noqa: F401  (before nbgrader: see there)
+    from gclab.grader import _jsonschema  # noqa: F401  (before nbgrader: see there)
     from nbgrader.apps import NbGraderAPI
 
     autograder = args.course / "autograder"

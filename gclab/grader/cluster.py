@@ -60,7 +60,7 @@ def _largest(client) -> tuple[int, list[str]]:
     most = max(slots.values(), default=0)
     if most < 1:
         raise RuntimeError(f'no worker offers the {SLOTS!r} resource: start workers with '
-                           f'--resources "{SLOTS}=N", N their --nthreads (see gclab.cluster)')
+                           f'--resources "{SLOTS}=N", N their --nthreads (see gclab.grader.cluster)')
     return most, [address for address, n in slots.items() if n == most]
 
 

@@ -4,7 +4,7 @@ feedback as `make grade-class` does (autograder/nbgrader_config.py):
 - `nbgrader autograde` (and the Formgrader's "Autograde" button, which runs it): `mirror_lesson`, its
   pre-convert hook, puts the lesson into the gradebook as `gclab grade` does (the course's release never
   writes the live gradebook); `GradeWithTheCourse`, its only step, grades each submission with the course's
-  grader (`gclab.classroom.grade_submission`: a verdict process, the hidden tests out of the learner's
+  grader (`gclab.grader.classroom.grade_submission`: a verdict process, the hidden tests out of the learner's
   reach, the scores into the gradebook, the feedback written) and hands nbgrader the graded notebook to
   write.  The learner's code runs nowhere else: nbgrader executes nothing.
 - `nbgrader generate_feedback` (the "Generate Feedback" button): `CourseFeedback` writes the course's own
@@ -55,7 +55,7 @@ def mirror_lesson(assignment, student, notebooks) -> None:
 
 class GradeWithTheCourse(Preprocessor):
     """nbgrader autograde's step: the submission graded by the course's grader; the notebook it returns
-    is the graded notebook (`gclab.feedback.graded_notebook`), which nbgrader writes into autograded/."""
+    is the graded notebook (`gclab.grader.feedback.graded_notebook`), which nbgrader writes into autograded/."""
     enabled = Bool(True).tag(config=True)
 
     def preprocess(self, nb, resources):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 
+from .tampering import _parse
+
 __all__ = ["environment_reads"]
 
 # module attribute -> what reading it tells the code
@@ -50,7 +52,6 @@ _DUNDERS = {"__globals__": "another function's globals", "__closure__": "another
 def environment_reads(source: str) -> list[str]:
     """`line  (what it reads)` for each line of `source` that reads what a grading run and a learner's
     own run can differ in; [] for code that does not parse (a syntax error is graded as such)."""
-    from .grading import _parse
     tree = _parse(source)
     if tree is None:
         return []

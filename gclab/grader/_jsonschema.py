@@ -5,7 +5,7 @@ nbformat validates notebooks with jsonschema, whose format checkers import rfc39
 is installed (jupyter-events asks for `jsonschema[format-nongpl]`), and that package compiles 38
 Lark grammars as it is imported: 2.3 s of CPU on a quiet 2-core machine, paid again by every
 process that reads a notebook (each `gclab grade`, each grader's zygote, each lesson kernel whose
-hidden tests import gclab.grading), python-jsonschema/jsonschema#1428.  No schema of nbformat,
+hidden tests import gclab.grader.grading), python-jsonschema/jsonschema#1428.  No schema of nbformat,
 nbgrader or Jupyter's events has an `iri` format, the only one that package checks.  So jsonschema
 is imported here with it hidden, as where it is not installed; after that it imports as usual for
 anyone who asks for it by name.

@@ -32,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from . import procfs
+from .. import procfs
 
 MiB = 1024 * 1024
 WORK_FRACTION = 0.2          # of the reference's CPU time a test must at least spend ...
@@ -133,8 +133,9 @@ def machine_key(conditions: dict) -> str:
     own code, the machine's kind, and the grading conditions."""
     digest = hashlib.sha256(json.dumps(conditions, sort_keys=True).encode())
     digest.update(f"{sys.version}|{platform.machine()}|{os.cpu_count()}|{os.path.exists('/dev/nvidiactl')}".encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+    package = Path(__file__).parent.parent          # gclab/: the grader and the instruments it runs
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + path.read_bytes())
     return digest.hexdigest()[:12]
 
 

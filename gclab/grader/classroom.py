@@ -8,8 +8,8 @@ feedback for each student, and a report for the instructor.
 
 The unit of work is `grade_submission`: one submission graded in a verdict process of its
 own (`grading.grade_one`), its feedback written and its scores recorded.  `grade_class`
-runs the units `jobs` at a time here; `gclab.cluster` hands the same units to a Dask
-cluster; nbgrader's own autograde runs one through `gclab.preprocessors.GradeWithTheCourse`.
+runs the units `jobs` at a time here; `gclab.grader.cluster` hands the same units to a Dask
+cluster; nbgrader's own autograde runs one through `gclab.grader.preprocessors.GradeWithTheCourse`.
 A lesson whose hidden tests time things (`grading.timed_lesson`) is graded with no other
 unit beside it.
 

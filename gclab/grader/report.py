@@ -5,7 +5,7 @@ grader says about a submission it could not grade) into a short cause, the same 
 submission that failed the same way whatever the numbers in its message; `class_report` writes
 `report.html` (one self-contained page: first a table of the students by lessons, each cell a score and
 its causes, then per lesson the scores, their histogram and the causes with the students behind each,
-and the answers worth reading by hand: see `gclab.review`), `scores.csv`, `causes.csv` and `review.csv`.
+and the answers worth reading by hand: see `gclab.grader.review`), `scores.csv`, `causes.csv` and `review.csv`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ REFUTED = "the process said passed, the grader's own figures did not (flagged fo
 # see `message_shape`) names its cause.  A message that says several things (a FlatReport's or a
 # PolicyReport's explanation) is filed under the first of them in this order.
 CAUSES = [(re.compile(pattern), cause) for pattern, cause in [
-    # the grader about a whole submission (gclab.grading), and a notebook's `reason`
+    # the grader about a whole submission (gclab.grader.grading), and a notebook's `reason`
     (r"not a readable notebook|not a notebook of this course|unreadable", UNREADABLE),
     ((r"tamper|grader's tools|was replaced|refused while grading|result channel|cannot vouch"
       r"|budget was changed"), TAMPERING),
@@ -418,7 +418,7 @@ def _write_csv(path: Path, header, rows) -> Path:
 
 def class_report(results, out_dir: Path) -> dict[str, Path]:
     """Write report.html, scores.csv, causes.csv and review.csv into `out_dir` (made if missing) for the
-    grader's results (gclab.grading.NotebookResult); return their paths by kind."""
+    grader's results (gclab.grader.grading.NotebookResult); return their paths by kind."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lessons = by_lesson(results)

@@ -23,10 +23,11 @@ import time
 import traceback
 from pathlib import Path
 
-from . import _jsonschema  # noqa: F401  (before nbformat: see there)
+from ..grader import _jsonschema  # noqa: F401  (before nbformat: see there)
 import nbformat
 
-from . import bench, grading
+from . import bench
+from ..grader import grading
 
 KEY_FIGURES_TAG = "key-figures"
 DEVICE_TESTS = ["tests/test_memory.py", "tests/test_held.py", "tests/test_cycles.py", "tests/test_cycle_detector.py",

@@ -200,7 +200,8 @@ def preload() -> None:
     """Import what every verdict needs, and pin gclab's names (`guard.pin_gclab`, which `guard.install`
     would do in each verdict otherwise): gclab.zygote forks verdicts after this."""
     _load_instruments()
-    from gclab import guard, zygote
+    from gclab import zygote
+    from gclab import guard
     guard.pin_gclab()
     # the verdicts' parent, as a learner's kernel has JupyterLab's server (`make lab`)
     zygote.show_as([sys.executable, os.path.join(os.path.dirname(sys.executable), "jupyter-lab")], name="jupyter-lab")
@@ -237,7 +238,7 @@ def _load_instruments():
     import gclab.checks, gclab.cycles, gclab.gcwatch, gclab.held, gclab.memory, gclab.plots, gclab.refs, gclab.serving  # noqa: F401,E401
     # what lessons import from gclab besides (a hidden test's grading.tampering: nbformat, 3.8 s per verdict
     # here); imported now, they are pinned with the rest of gclab (guard.pin_gclab)
-    import gclab.grading, gclab.traces, gclab.widgets  # noqa: F401,E401
+    import gclab.grader.tampering, gclab.traces, gclab.widgets  # noqa: F401,E401
     import resource  # noqa: F401  (apply_limits)
     import sqlite3  # noqa: F401  (IPython's history)
     # what InteractiveShell.instance() imports (tests/test_grading.py names any it would import after the fork)
