@@ -2,8 +2,9 @@
 
 `Meter` is the one way the course measures tensor memory:
 
-* on a CUDA device it reads the caching allocator (`torch.cuda.memory_allocated`),
-  and a budget is enforced by the real allocator;
+* on a CUDA device it reads the caching allocator's count of live tensor bytes (the figure
+  `torch.cuda.memory_allocated` gives, read through `memory_stats_as_nested_dict`: see
+  `cuda_bytes`), and a budget is enforced by the real allocator;
 * on the CPU it counts, exactly, the storage bytes of every tensor created while the
   meter is active and still alive, and a budget is *simulated*: an allocation that
   would pass it raises `torch.OutOfMemoryError` before the machine's memory is at risk.

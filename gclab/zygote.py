@@ -14,8 +14,9 @@ closes its socket, or dies, and its children with it (`die_with_parent`).  It ru
 modules.
 
 Who forks from one:
-- gclab.grading, verdict processes (`gclab.verdict`: torch, matplotlib, IPython and gclab
-  imported once, about 2 s saved per submission);
+- gclab.grader.launch, verdict processes (`gclab.grader.verdict`: torch, matplotlib, IPython and
+  gclab imported once, about 2 s saved per submission; each shown, by `show_as`, with a JupyterLab
+  kernel's command line under a server named `jupyter-lab`, as a learner's kernel is);
 - gclab.serving, model servers and load generators (torch, uvicorn and starlette imported
   once, about 1.5 s saved per server, 0.15 s per load).
 """
