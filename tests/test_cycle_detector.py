@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gclab import cycles  # noqa: E402
+from gclab import cycles, graphs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -222,7 +222,7 @@ def test_a_reported_cycle_is_drawn_offline(monkeypatch, capsys):
     assert tensor_boxes and tensor_boxes[0].get_bbox_patch().get_facecolor()[:3] == \
         matplotlib.colors.to_rgb(cycles.TENSOR_COLOUR)
     assert {"closure cell 'self'", "cell_contents"} <= {t.get_text() for t in ax.texts}
-    monkeypatch.setattr(cycles.shutil, "which", lambda name, path=None: None)
+    monkeypatch.setattr(graphs.shutil, "which", lambda name, path=None: None)
     assert report.show() == "matplotlib"
     assert "Graphviz" in capsys.readouterr().out
     assert "<- cycle" in graph.to_text()

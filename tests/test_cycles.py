@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gclab import cycles  # noqa: E402
+from gclab import cycles, graphs  # noqa: E402
 from gclab.gcwatch import gc_disabled  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def test_matplotlib_drawing_has_a_box_per_object_and_a_label_per_reference():
 def _dot_searched_on(monkeypatch, path):
     """`dot` is looked up on the PATH gclab started with (a PATH the graded code sets later is not
     used): make that one `path`."""
-    monkeypatch.setattr(cycles, "starting_environment", lambda: {**os.environ, "PATH": path})
+    monkeypatch.setattr(graphs, "starting_environment", lambda: {**os.environ, "PATH": path})
 
 
 def _dot_found_in(monkeypatch, folder):
@@ -191,7 +191,7 @@ def test_a_dot_put_on_path_after_gclab_started_is_not_run(monkeypatch, tmp_path)
     planted.write_text(f"#!/bin/sh\ntouch {tmp_path}/ran\n")
     planted.chmod(planted.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
-    assert cycles._dot() != str(planted)
+    assert graphs._dot() != str(planted)
     if cycles.dot_available():
         cycles.render_png(cycles.backref_graph(torch.zeros(1)))
     assert not (tmp_path / "ran").exists()
