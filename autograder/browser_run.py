@@ -99,6 +99,15 @@ def click_menu(driver, menu: str, item: str) -> None:
     entry.click()
 
 
+def scroll_to(driver, element) -> None:
+    """Scroll the notebook so that `element` is near the top of the window."""
+    driver.execute_script(
+        "const el = arguments[0];"
+        "const box = el.closest('.jp-WindowedPanel-outer') || document.querySelector('.jp-WindowedPanel-outer');"
+        "box.scrollTop += el.getBoundingClientRect().top - box.getBoundingClientRect().top - 60;", element)
+    time.sleep(1)
+
+
 def queued(driver) -> int:
     """Cells waiting or running ([*]) in the notebook on screen."""
     return driver.execute_script(
@@ -132,16 +141,15 @@ def run_lesson(driver, base: str, token: str, course: Path, lesson: str, screens
     widgets = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .jupyter-widgets.widget-container, "
                                                     ".jp-OutputArea-output .jupyter-widgets.widget-inline-hbox")
     for i, widget in enumerate(widgets[:5]):
-        driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", widget)
-        time.sleep(1)
+        scroll_to(driver, widget)
         driver.save_screenshot(str(screens / f"{lesson}-{i + 1}-widget.png"))
     figures = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img")
     for i, figure in enumerate(figures[:: max(1, len(figures) // 3)][:3]):     # three figures, spread out
-        driver.execute_script("arguments[0].scrollIntoView({block: 'end'})", figure)
-        time.sleep(1)
+        scroll_to(driver, figure)
         driver.save_screenshot(str(screens / f"{lesson}-{i + 6}-figure.png"))
     page = driver.find_element(By.TAG_NAME, "body").text
-    driver.execute_script("document.querySelector('.jp-WindowedPanel-outer, .jp-Notebook').scrollTop = 1e9")
+    driver.execute_script("[...document.querySelectorAll('.jp-WindowedPanel-outer')]"
+                          ".filter(e => e.offsetParent !== null).forEach(e => { e.scrollTop = 1e9; })")
     time.sleep(1)
     driver.save_screenshot(str(screens / f"{lesson}-9-end.png"))
     images = len(driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img"))
@@ -151,6 +159,9 @@ def run_lesson(driver, base: str, token: str, course: Path, lesson: str, screens
     time.sleep(2)
     for button in driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog .jp-mod-accept"):
         button.click()
+    time.sleep(1)
+    click_menu(driver, "File", "Close Tab")           # the next lesson's panel is then the only one
+    time.sleep(1)
     report = {"lesson": lesson, "finished": finished, "seconds": round(seconds), "widgets": len(widgets),
               "images": images, "widget_errors": page.count("Error displaying widget")}
     report.update(saved_outputs(path))

@@ -8,6 +8,7 @@ from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
     test_every_self_check_ends_with_one_plain_line_when_it_passes,  # noqa: F401  (collected here)
+    test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)
     EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, assert_no_marks_until_answered, cell_result, grade_all,
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
