@@ -395,7 +395,7 @@ TOLD_WHY = {
     "ring_of_last_requests": ("test_keeps_recent", "not the models of the last two requests"),
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
     "pins_every_model_while_collector_on": ("test_frees_memory", "when the collector is on"),
-    "keyed_by_id": ("test_same_model", "not one built for 'b': find a model by its name"),
+    "keyed_by_id": ("test_same_model", "find a model by its name (an id() is reused once its object is freed)"),
     "cheat_weak_only_for_the_tests_loaders": ("test_frees_memory", "ModelCache(load_model, keep=1), the lesson's own loader"),
     "shared_by_every_cache": ("test_same_model", "an attribute set on the class is shared by every instance"),
 }
