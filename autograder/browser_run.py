@@ -148,9 +148,9 @@ def run_lesson(driver, base: str, token: str, course: Path, lesson: str, screens
         scroll_to(driver, figure)
         driver.save_screenshot(str(screens / f"{lesson}-{i + 6}-figure.png"))
     page = driver.find_element(By.TAG_NAME, "body").text
-    driver.execute_script("[...document.querySelectorAll('.jp-WindowedPanel-outer')]"
-                          ".filter(e => e.offsetParent !== null).forEach(e => { e.scrollTop = 1e9; })")
-    time.sleep(1)
+    last = driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-CodeCell")
+    if last:
+        scroll_to(driver, last[-1])
     driver.save_screenshot(str(screens / f"{lesson}-9-end.png"))
     images = len(driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img"))
     click_menu(driver, "File", "Save Notebook")
@@ -208,7 +208,8 @@ def main(argv=None) -> int:
         wait_for(f"{base}/api/status?token={token}", 120)
         driver = browser()
         try:
-            driver.get(f"{base}/lab?token={token}")          # the token, once: a cookie for the pages after
+            driver.get(f"{base}/lab?reset&token={token}")    # the token, once: a cookie for the pages after;
+                                                             # reset: no tabs restored from an earlier run
             time.sleep(5)
             for lesson in lessons:
                 report = run_lesson(driver, base, token, course, lesson, screens, args.timeout)
