@@ -28,15 +28,15 @@ KERNELSPEC = {"display_name": KERNEL_DISPLAY_NAME, "language": "python", "name":
 # the same name, set in a cell above, wins over it.
 SOURCE_LINE = re.compile(r'^GCLAB_SOURCE = os\.environ\.get\("GCLAB_SOURCE"\) or (?P<literal>".*")$', re.M)
 SETUP_BLOCK = '''\
-# Set-up: run this cell first. Where the course's helper package gclab is missing (Google Colab), it installs it
-# from GCLAB_SOURCE (set by `gclab release --source URL`, or in a cell above), keeping this runtime's torch.
+# Set-up: run this cell first. Where the course's helper package gclab is missing (Colab), it installs it.
 import importlib.util, os, subprocess, sys
 GCLAB_SOURCE = os.environ.get("GCLAB_SOURCE") or ""
 if importlib.util.find_spec("gclab") is None:
     if not GCLAB_SOURCE:
-        raise RuntimeError("The course's helper package gclab is not installed here, and this notebook does not say where "
-            "the course lives. On Colab, run `import os; os.environ['GCLAB_SOURCE'] = 'git+https://github.com/OWNER/REPO'` "
-            "(the course repository you were given) in a cell above, then this cell again; on your own machine, `make lab`.")
+        raise RuntimeError("The course's helper package gclab is not installed here, and this notebook does "
+                           "not say where the course lives. On Colab, run `import os; os.environ['GCLAB_SOURCE'] "
+                           "= 'git+https://github.com/OWNER/REPO'` (the repository you were given) in a cell above, "
+                           "then this cell again; on your own machine, run `make lab` in the course folder.")
     print(f"Installing gclab from {GCLAB_SOURCE} (this runtime's torch is kept) ...", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", GCLAB_SOURCE], check=True)
     importlib.invalidate_caches()
