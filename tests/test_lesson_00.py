@@ -493,7 +493,7 @@ def test_wrong_answers_are_told_by_how_much(graded):
     cuda = cell_result(graded["reads_torch_cuda_directly"], "test_account").message
     assert "after - before" in cuda and "got 0" in cuda, cuda
     literal = cell_result(graded["literal_answers_without_measuring"], "test_release_readings").message
-    assert "_still_referenced" in literal, literal
+    assert "_still_referenced" in literal or "with the collector on" in literal, literal
     held_out = graded["dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved"]
     base = cell_result(held_out, "test_storage_bytes").message
     assert "detach" in base and "off by" in base, base

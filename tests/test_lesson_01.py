@@ -372,7 +372,7 @@ def test_values_equal_to_anything_earn_no_points(graded):
     """Reports and scaled values never computed, but saying they equal the reference: refused, by name."""
     result = graded["cheat_returns_values_equal_to_anything"]
     assert_less_than_full_marks(result, 10)
-    assert_told_why(result, "test_job_reports", "report['value'] is an EqualToAnything (a subclass of int)")
+    assert_told_why(result, "test_job_reports", "is an EqualToAnything (a subclass of int)")
     assert_told_why(result, "test_scaler_results", "(x)[0] is an EqualToAnything (a subclass of int)")
 
 

@@ -86,7 +86,7 @@ LONG_CELLS = {
     ("08_capstone", "given_data"): 39,
     # visible self-checks as strict as the hidden tests (issue 37, section 3): each checks one exercise
     # against every rule its hidden test applies, so that a wrong fix fails here, not only in the grade
-    ("00_measuring_memory", "test_release_readings"): 40,
+    ("00_measuring_memory", "test_release_readings"): 42,
     ("00_measuring_memory", "test_claim_verdicts"): 32,
     ("01_reference_counting", "test_job_reports"): 32,
     ("01_reference_counting", "test_scaler_results"): 30,
