@@ -486,6 +486,10 @@ def test_wrong_submission_earns_less_than_full_marks(graded, submission):
     assert passed == EARNED[submission], grading.format_results([result])
 
 
+# what the visible self-check says of verdicts judged from the wrong figures (it fails before the hidden test)
+VISIBLE_VERDICT_HINT = "judge allocated from the allocated figures, reserved from readings['reserved']"
+
+
 def test_wrong_answers_are_told_by_how_much(graded):
     numel = cell_result(graded["numel_count_and_seed_verdict"], "test_storage_bytes").message
     assert "649" in numel or "664576" in numel, numel          # the naive count of the example tensors
@@ -500,15 +504,16 @@ def test_wrong_answers_are_told_by_how_much(graded):
     reserved = cell_result(held_out, "test_account").message
     assert "reserved is" in reserved and "cached" in reserved, reserved
     no_empty = cell_result(held_out, "test_release_readings").message
-    assert "did not drop at the last empty_cache()" in no_empty, no_empty
+    assert "did not drop at the last empty_cache()" in no_empty or "empty_cache() 0 time(s)" in no_empty, no_empty
     from_reserved = cell_result(held_out, "test_claim_verdicts").message
-    assert "follow the reserved figures" in from_reserved, from_reserved
+    assert "follow the reserved figures" in from_reserved or VISIBLE_VERDICT_HINT in from_reserved, from_reserved
     from_allocated = cell_result(graded["verdict_from_allocated_only"], "test_claim_verdicts").message
-    assert "reserved verdict follows the allocated figures" in from_allocated, from_allocated
+    assert ("reserved verdict follows the allocated figures" in from_allocated
+            or VISIBLE_VERDICT_HINT in from_allocated), from_allocated
     fall_only = cell_result(graded["verdict_from_the_fall_at_empty_cache_only"], "test_claim_verdicts").message
-    assert "already fell at `del`" in fall_only, fall_only
+    assert "already fell at `del`" in fall_only or "did not fall at `del`" in fall_only, fall_only
     first = cell_result(graded["compares_after_del_with_the_first_reading"], "test_claim_verdicts").message
-    assert "readings['alive_after_empty_cache']" in first and "follows the allocated" not in first, first
+    assert "alive_after_empty_cache" in first and "follows the allocated" not in first, first
     zero = cell_result(graded["before_hard_wired_to_zero_reserved_not_minus_start"], "test_account").message
     assert "before is 0 B, expected 3.00 MiB" in zero, zero
 

@@ -373,7 +373,7 @@ def test_values_equal_to_anything_earn_no_points(graded):
     result = graded["cheat_returns_values_equal_to_anything"]
     assert_less_than_full_marks(result, 10)
     assert_told_why(result, "test_job_reports", "is an EqualToAnything (a subclass of int)")
-    assert_told_why(result, "test_scaler_results", "(x)[0] is an EqualToAnything (a subclass of int)")
+    assert_told_why(result, "test_scaler_results", "is an EqualToAnything (a subclass of int)")
 
 
 def test_a_copy_of_the_error_and_a_scaler_that_refits_are_told_why(graded):
