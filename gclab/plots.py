@@ -8,7 +8,9 @@ from .memory import MiB
 
 __all__ = ["plot_timeline", "held_after_collections", "plot_ratchet", "plot_floors", "panel_below", "plot_latency",
            "plot_allocated_reserved",
-           "plot_latency_spread", "plot_requests", "GENERATION_COLOURS"]
+           "plot_latency_spread", "plot_requests", "plot_held_by_run", "plot_counts", "mark_collections", "plot_collector_counts", "plot_durations",
+           "plot_panels", "plot_paired_bars", "plot_readings",
+           "plot_time_and_peak", "GENERATION_COLOURS"]
 
 GENERATION_COLOURS = {0: "tab:green", 1: "tab:orange", 2: "tab:red"}
 
@@ -284,3 +286,195 @@ def plot_allocated_reserved(run, ax=None, title=None, max_ticks=14):
     ax.set_title(title or run.name)
     ax.legend(loc="upper right", fontsize="small")
     return ax
+
+
+# -- several runs side by side ------------------------------------------------------------
+def plot_held_by_run(runs, ax=None, title="Memory held after each step", xlabel="step",
+                     ylabel="MiB held after it", xticks=None, budget=None, styles=None, simulated=None):
+    """Memory held (MiB above each meter's baseline) at each recorded point, one line per run.
+
+    `runs` maps a label to a `gclab.memory.Meter`.  A run whose last point is labelled "OOM"
+    (it ran out of memory there) ends in an x.  `xticks`: labels of the points (the same for
+    every run); `budget`: bytes, drawn as a dashed line ("simulated budget" when `simulated`).
+    Returns the axes and each run's line colour (label -> colour).
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.2))
+    colours = {}
+    for k, (label, meter) in enumerate(runs.items()):
+        mib = [(p.allocated - meter.baseline) / MiB for p in meter.timeline]
+        style = styles[k % len(styles)] if styles else "-"
+        line, = ax.plot(range(len(mib)), mib, style, label=label)
+        colours[label] = line.get_color()
+        if meter.timeline and meter.timeline[-1].label == "OOM":
+            ax.plot(len(mib) - 1, mib[-1], "x", color=line.get_color(), ms=12, mew=3)
+    if budget is not None:
+        ax.axhline(budget / MiB, color="black", ls="--", lw=1,
+                   label="simulated budget" if simulated else "device budget")
+    if xticks is not None:
+        ax.set_xticks(range(len(xticks)), xticks)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return ax, colours
+
+
+def plot_counts(counts, ax=None, title="Count so far", xlabel="step", ylabel="so far"):
+    """A running count per run (label -> list of the count after each step), one line per run, in the
+    colours `plot_held_by_run` gives the same runs in the same order."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3.2))
+    for label, values in counts.items():
+        ax.plot(range(len(values)), values, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return ax
+
+
+# -- the collector's counts, and what collections cost ---------------------------------------
+def mark_collections(axes, xs, collections, label_on=None):
+    """A vertical line at each x of `xs` for the collection beside it (`gclab.gcwatch.Collection`),
+    coloured by generation; each generation is named once in the legend of `label_on` (default:
+    the first of `axes`)."""
+    axes = list(axes) if isinstance(axes, (list, tuple)) else [axes]
+    label_on = axes[0] if label_on is None else label_on
+    named = set()
+    for x, c in zip(xs, collections):
+        gen = min(c.generation, 2)
+        for ax in axes:
+            ax.axvline(x, color=GENERATION_COLOURS[gen], lw=0.8, alpha=0.8,
+                       label=f"gen {gen} collection" if ax is label_on and gen not in named else None)
+        named.add(gen)
+
+
+def plot_collector_counts(counts, when, collections, thresholds, title=None, xlabel="containers created"):
+    """`gc.get_count()` read after each new object: generation 0's count above (with the first
+    threshold), generations 1 and 2 below (with the second), and a line at each collection.
+
+    `counts`: (generation 0, 1, 2) lists, one value per object; `when`: perf_counter() at each
+    reading, which places each collection of `collections` (their .start) among them.
+    """
+    g0, g1, g2 = counts
+    at = np.searchsorted(when, [c.start for c in collections])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 4.8), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    top.plot(g0, color="tab:blue", lw=1, label="generation 0 count")
+    top.axhline(thresholds[0], color="black", ls="--", lw=1, label=f"first threshold ({thresholds[0]})")
+    bottom.step(range(len(g1)), g1, where="post", color="tab:purple", label="generation 1 count")
+    bottom.step(range(len(g2)), g2, where="post", color="tab:brown", label="generation 2 count")
+    bottom.axhline(thresholds[1], color="black", ls=":", lw=1, label=f"second threshold ({thresholds[1]})")
+    mark_collections((top, bottom), at, collections)
+    top.set_ylabel("objects")
+    top.set_title(title)
+    bottom.set_xlabel(xlabel)
+    bottom.set_ylabel("collections")
+    top.legend(loc="upper right", fontsize="small")
+    bottom.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def plot_durations(durations_us, ax=None, title=None, colours=None, log=True):
+    """One bar per label (label -> microseconds), each marked with its value; a log scale by default,
+    for durations that differ by orders of magnitude."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3))
+    values = list(durations_us.values())
+    bars = ax.bar(list(durations_us), values, color=colours)
+    ax.bar_label(bars, labels=[f"{us:,.0f} µs" if us >= 100 else f"{us:.1f} µs" for us in values])
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(top=max(values) * 8)
+    ax.set_ylabel("µs" + (" (log scale)" if log else ""))
+    ax.set_title(title)
+    return ax
+
+
+# -- comparing several habits or fixes ---------------------------------------------------------
+def plot_panels(series, last_label=None, xlabel="step", ylabel=None, title=None, colour="tab:red"):
+    """One small panel per name (name -> values), each with its own scale, side by side.  With
+    `last_label`, each series' last value is drawn apart, as a dot of that name (for example the
+    reading after a final gc.collect())."""
+    fig, axes = plt.subplots(1, len(series), figsize=(3 * len(series), 3.2), squeeze=False)
+    axes = axes[0]
+    for ax, (name, values) in zip(axes, series.items()):
+        line = values[:-1] if last_label else values
+        ax.plot(range(len(line)), line, color=colour, lw=1.5)
+        if last_label:
+            ax.plot([len(line)], values[-1:], "o", color="black", label=last_label)
+        ax.set_title(name, fontsize="medium")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(bottom=0, top=max(max(values), 1e-9) * 1.1)
+    axes[0].set_ylabel(ylabel)
+    if last_label:
+        axes[0].legend(loc="upper left", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_paired_bars(names, first, second, ax=None, ylabel=None, title=None, log=True, annotate_second=None):
+    """Two bars per name, side by side: `first` and `second` are (legend label, values in the order of
+    `names`, colour).  `annotate_second` (a function of a value) writes each second value under its bar,
+    for values too small to see on a log scale."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.6))
+    xs = np.arange(len(names))
+    for shift, (label, values, colour) in ((-0.2, first), (0.2, second)):
+        ax.bar(xs + shift, list(values), width=0.4, color=colour, label=label)
+    if annotate_second is not None:
+        for x, value in zip(xs, second[1]):
+            ax.text(x + 0.2, 1.5, annotate_second(value), ha="center", va="bottom", fontsize="small")
+    if log:
+        ax.set_yscale("log")
+        if annotate_second is not None:
+            ax.set_ylim(bottom=1)
+    ax.set_xticks(list(xs), [n.replace("(", "(\n", 1) for n in names], fontsize="small")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize="small")
+    return ax
+
+
+def plot_readings(labels, lines, ax=None, ylabel="MiB", title=None, legend="upper right"):
+    """Readings taken after each statement, as steps (a reading holds until the next statement
+    changes it), labelled by the statement.  `lines` maps a legend label to (bytes at each
+    reading, matplotlib keyword arguments for its line, or None)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.6))
+    top = 0.0
+    for label, (values, style) in lines.items():
+        mib = [v / MiB for v in values]
+        top = max(top, *mib)
+        ax.step(range(len(mib)), mib, where="post", label=label, **({"lw": 1.8} | (style or {})))
+    ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right")
+    ax.set_ylim(-0.1, top + 0.4)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc=legend, fontsize="small")
+    return ax
+
+
+def plot_time_and_peak(runs, budget=None, time_title="time", peak_title="peak tensor memory"):
+    """Two bar charts side by side, one bar per run: milliseconds per step, and peak memory (MiB)
+    against the budget, "OOM" written on the runs that ran out of memory.  `runs` maps a label
+    to (ms per step, peak bytes, whether it ran out of memory)."""
+    fig, (ax_time, ax_peak) = plt.subplots(1, 2, figsize=(10, 3.2))
+    labels = list(runs)
+    ax_time.bar(labels, [ms for ms, _, _ in runs.values()], color="tab:blue")
+    ax_time.set_ylabel("ms per step")
+    ax_time.set_title(time_title)
+    peaks = [peak / MiB for _, peak, _ in runs.values()]
+    ax_peak.bar(labels, peaks, color="tab:orange")
+    if budget is not None:
+        ax_peak.axhline(budget / MiB, color="black", ls="--", lw=1, label="budget")
+        ax_peak.legend(loc="upper right")
+    for x, (peak, (_, _, oom)) in enumerate(zip(peaks, runs.values())):
+        if oom:
+            ax_peak.text(x, peak / 2, "OOM", ha="center", color="white", weight="bold")
+    ax_peak.set_ylabel("peak MiB")
+    ax_peak.set_title(peak_title)
+    fig.tight_layout()
+    return fig

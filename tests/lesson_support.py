@@ -87,25 +87,34 @@ def self_checks(release: Path, submission: Path, folder: Path) -> dict:
 def refused_for_tampering(result) -> bool:
     """The grader refused the submission for rewriting its tools (read from its source, or seen while
     it ran): no self-check run in that learner's own kernel can be believed, so none is asked to fail."""
-    return "modifies the grader" in result.reason or any(t.status == "tampered" for t in result.tests)
+    return ("modifies the grader" in result.reason or "tampers with grading" in result.reason
+            or any(t.status == "tampered" for t in result.tests))
 
 
 def test_every_wrong_fix_that_loses_points_fails_a_visible_self_check(graded, request, tmp_path):
     """Every lesson's test module whose self-checks are as strict as its hidden tests imports this test
-    (lesson 06: import it in tests/test_lesson_06.py once its visible self-check runs the busier load):
+    (not lesson 06's: its self-check serves two loads to each losing policy, which added 183 s to the suite's
+    longest module, measured on the 2 shared cores of the test machine; the suite must stay under 15 minutes):
     every graded submission that lost points (its wrong fixes and hostile variants, the untouched release
     aside) also fails at least one of the release's visible self-checks, run with its answers as a learner
-    runs them.  The hidden tests may use other inputs and sizes, never other rules."""
+    runs them.  The hidden tests may use other inputs and sizes, never other rules.  A module may name, in
+    NOT_YET_CAUGHT_VISIBLY (name -> why), wrong fixes its self-checks cannot catch yet: those must still pass
+    visibly, so that the list is taken down as soon as a self-check catches one."""
     release = request.module.RELEASE
-    passed_visibly = {}
+    known = getattr(request.module, "NOT_YET_CAUGHT_VISIBLY", {})
+    passed_visibly, caught_now = {}, []
     for name, result in graded.items():
         if name in ("solution", "untouched") or result.score >= result.max_score or refused_for_tampering(result):
             continue
         checks_run = self_checks(release, graded.paths[name], tmp_path)
         if all(t.status == "passed" for t in checks_run.values()):
             lost = [f"{t.id}: {t.message[:200]}" for t in result.tests if t.status != "passed"]
-            passed_visibly[name] = f"{result.score:g}/{result.max_score:g}; lost {lost}"
+            if name not in known:
+                passed_visibly[name] = f"{result.score:g}/{result.max_score:g}; lost {lost}"
+        elif name in known:
+            caught_now.append(name)
     assert not passed_visibly, f"wrong fixes that pass every visible self-check yet lose points: {passed_visibly}"
+    assert not caught_now, f"a self-check now catches these: take them off NOT_YET_CAUGHT_VISIBLY: {caught_now}"
 
 
 

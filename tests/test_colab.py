@@ -46,8 +46,8 @@ def test_first_cell_without_a_source_says_how_to_set_one():
     assert done.returncode != 0 and "PIP" not in done.stdout
     message = done.stderr.strip().splitlines()[-1]
     assert message.startswith("RuntimeError: The course's helper package gclab is not installed here")
-    for hint in ("gclab release --source URL", "os.environ['GCLAB_SOURCE'] = 'git+https://github.com/OWNER/REPO'",
-                 "make lab"):
+    for hint in ("does not say where the course lives",
+                 "os.environ['GCLAB_SOURCE'] = 'git+https://github.com/OWNER/REPO'", "make lab"):
         assert hint in message
 
 
@@ -160,6 +160,21 @@ def test_every_lesson_opens_with_the_install_block_and_names_the_course_kernel()
                 f"{rel}: its set-up cell does not open with the course's install block: run "
                 "`.venv/bin/python autograder/set_up_cells.py` (then `make release`)")
             assert nb.metadata.get("kernelspec") == course.KERNELSPEC, f"{rel}: kernelspec is not {course.KERNELSPEC}"
+
+
+def test_the_first_cell_a_learner_runs_is_the_install_block_alone():
+    """The set-up cell is a few lines (the install block, nothing else); the lesson's imports follow in a
+    locked cell of their own, so that a learner who deletes cells cannot lose them."""
+    assert len(course.SETUP_BLOCK.splitlines()) <= 12
+    for path in sorted(ROOT.glob("solutions/*/*.ipynb")):
+        nb, setup = _setup_cell(path)
+        rel = path.relative_to(ROOT)
+        assert setup.source.strip("\n") == course.SETUP_BLOCK.strip("\n"), f"{rel}: the set-up cell holds more than the install block"
+        first_code = next(c for c in nb.cells if c.cell_type == "code")
+        assert first_code is setup, f"{rel}: the set-up cell is not the first code cell"
+        imports = nb.cells[nb.cells.index(setup) + 1]
+        assert imports.metadata.get("nbgrader", {}).get("grade_id") == "imports", f"{rel}: no imports cell after set-up"
+        assert imports.metadata["nbgrader"]["locked"] and not imports.metadata["nbgrader"]["grade"]
 
 
 def test_readme_colab_links_follow_the_course_file():

@@ -8,6 +8,7 @@ from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
     test_every_self_check_ends_with_one_plain_line_when_it_passes,  # noqa: F401  (collected here)
+    test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)
     EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered,
     assert_told_why, cell_result, grade_all, plots_drawn, printed_text, problems, write_variants,
 )
@@ -416,6 +417,16 @@ EARNED = {
 }
 
 
+# Wrong fixes that only a device shared with other tensors, whose allocator caches freed blocks, tells apart
+# (the hidden tests model one on a CPU by patching the meter): on a CPU the meter has no cache and counts only
+# tensors made while it runs, so "before" is 0 and reserved equals allocated whatever the answer reads.
+# A visible self-check catches them once that model is a tool of gclab.memory that it can use too.
+NOT_YET_CAUGHT_VISIBLY = {
+    "reserved_minus_the_meters_baseline": "reserved minus meter.baseline equals reserved minus its start on a CPU",
+    "before_hard_wired_to_zero_reserved_not_minus_start": "`before` is 0 on a CPU, where no other tensor is counted",
+}
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("submissions")
@@ -475,6 +486,10 @@ def test_wrong_submission_earns_less_than_full_marks(graded, submission):
     assert passed == EARNED[submission], grading.format_results([result])
 
 
+# what the visible self-check says of verdicts judged from the wrong figures (it fails before the hidden test)
+VISIBLE_VERDICT_HINT = "judge allocated from the allocated figures, reserved from readings['reserved']"
+
+
 def test_wrong_answers_are_told_by_how_much(graded):
     numel = cell_result(graded["numel_count_and_seed_verdict"], "test_storage_bytes").message
     assert "649" in numel or "664576" in numel, numel          # the naive count of the example tensors
@@ -482,22 +497,23 @@ def test_wrong_answers_are_told_by_how_much(graded):
     cuda = cell_result(graded["reads_torch_cuda_directly"], "test_account").message
     assert "after - before" in cuda and "got 0" in cuda, cuda
     literal = cell_result(graded["literal_answers_without_measuring"], "test_release_readings").message
-    assert "_still_referenced" in literal, literal
+    assert "_still_referenced" in literal or "with the collector on" in literal, literal
     held_out = graded["dedupes_storages_by_base_reads_allocated_as_reserved_never_calls_empty_cache_verdict_from_reserved"]
     base = cell_result(held_out, "test_storage_bytes").message
     assert "detach" in base and "off by" in base, base
     reserved = cell_result(held_out, "test_account").message
     assert "reserved is" in reserved and "cached" in reserved, reserved
     no_empty = cell_result(held_out, "test_release_readings").message
-    assert "did not drop at the last empty_cache()" in no_empty, no_empty
+    assert "did not drop at the last empty_cache()" in no_empty or "empty_cache() 0 time(s)" in no_empty, no_empty
     from_reserved = cell_result(held_out, "test_claim_verdicts").message
-    assert "follow the reserved figures" in from_reserved, from_reserved
+    assert "follow the reserved figures" in from_reserved or VISIBLE_VERDICT_HINT in from_reserved, from_reserved
     from_allocated = cell_result(graded["verdict_from_allocated_only"], "test_claim_verdicts").message
-    assert "reserved verdict follows the allocated figures" in from_allocated, from_allocated
+    assert ("reserved verdict follows the allocated figures" in from_allocated
+            or VISIBLE_VERDICT_HINT in from_allocated), from_allocated
     fall_only = cell_result(graded["verdict_from_the_fall_at_empty_cache_only"], "test_claim_verdicts").message
-    assert "already fell at `del`" in fall_only, fall_only
+    assert "already fell at `del`" in fall_only or "did not fall at `del`" in fall_only, fall_only
     first = cell_result(graded["compares_after_del_with_the_first_reading"], "test_claim_verdicts").message
-    assert "readings['alive_after_empty_cache']" in first and "follows the allocated" not in first, first
+    assert "alive_after_empty_cache" in first and "follows the allocated" not in first, first
     zero = cell_result(graded["before_hard_wired_to_zero_reserved_not_minus_start"], "test_account").message
     assert "before is 0 B, expected 3.00 MiB" in zero, zero
 

@@ -7,6 +7,7 @@ from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
     test_every_self_check_ends_with_one_plain_line_when_it_passes,  # noqa: F401  (collected here)
+    test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)
     EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_no_marks_until_answered,
     assert_told_why, grade_all, printed_text, problems,
     shows_error, write_variants,
@@ -371,8 +372,8 @@ def test_values_equal_to_anything_earn_no_points(graded):
     """Reports and scaled values never computed, but saying they equal the reference: refused, by name."""
     result = graded["cheat_returns_values_equal_to_anything"]
     assert_less_than_full_marks(result, 10)
-    assert_told_why(result, "test_job_reports", "report['value'] is an EqualToAnything (a subclass of int)")
-    assert_told_why(result, "test_scaler_results", "(x)[0] is an EqualToAnything (a subclass of int)")
+    assert_told_why(result, "test_job_reports", "is an EqualToAnything (a subclass of int)")
+    assert_told_why(result, "test_scaler_results", "is an EqualToAnything (a subclass of int)")
 
 
 def test_a_copy_of_the_error_and_a_scaler_that_refits_are_told_why(graded):

@@ -406,12 +406,13 @@ def test_the_threshold_explorer_redraws_for_the_threshold_it_is_moved_to():
     import numpy as np
 
     from gclab.gcwatch import GCWatch
-    from gclab.plots import GENERATION_COLOURS
+    from gclab.plots import GENERATION_COLOURS, mark_collections
 
-    source = next(c.source for c in nbformat.read(SOLUTION, 4).cells if c.get("id") == "threshold-explorer")
+    source = "\n".join(c.source for c in nbformat.read(SOLUTION, 4).cells if c.cell_type == "code"  # its cells
+                       if c.get("id", "").startswith("threshold-explorer"))
     shown, thresholds = [], gc.get_threshold()
-    namespace = {"gc": gc, "time": time, "np": np, "Counter": Counter, "GCWatch": GCWatch,
-                 "GENERATION_COLOURS": GENERATION_COLOURS, "t0": thresholds[0], "display": shown.append}
+    namespace = {"gc": gc, "time": time, "np": np, "Counter": Counter, "GCWatch": GCWatch, "mark_collections":
+                 mark_collections, "GENERATION_COLOURS": GENERATION_COLOURS, "t0": thresholds[0], "display": shown.append}
     exec(compile(source, "threshold-explorer", "exec"), namespace)
     explorer = namespace["explorer"]
     assert shown == [explorer] and explorer.redraws == 1

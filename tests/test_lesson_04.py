@@ -176,7 +176,8 @@ def test_wrong_fixes_are_told_why(graded):
     assert "did not return to its baseline" in message("clears_callbacks_after_wait", "test_memory_flat")
     assert "detector found reference cycles" in message("bound_methods", "test_no_cycle")
     assert "a copy" in message("copies_the_result", "test_same_views")
-    assert graded["copies_the_result"].score == 5, "a copy is the only thing wrong with it"
+    assert graded["copies_the_result"].score == 5, ("a copy is the only thing wrong with it: "
+                                                    + grading.format_results([graded["copies_the_result"]]))
     assert "modifies the grader" in graded["patches_the_detector"].reason
     finaliser = message("del_clears_callbacks", "test_no_cycle")
     assert "were not freed" in finaliser and "__del__" in finaliser, finaliser

@@ -8,6 +8,7 @@ from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
     test_every_self_check_ends_with_one_plain_line_when_it_passes,  # noqa: F401  (collected here)
+    test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)
     EQUAL_TO_ANYTHING, ROOT, assert_full_marks, assert_less_than_full_marks, assert_told_why, assert_no_marks_until_answered, cell_result, grade_all,
     plots_drawn, printed_text, problems, write_locked_cells_edited, write_variants,
 )
@@ -394,7 +395,7 @@ TOLD_WHY = {
     "ring_of_last_requests": ("test_keeps_recent", "not the models of the last two requests"),
     "callbacks_hold_the_cache": ("test_frees_memory", "after `del cache`"),
     "pins_every_model_while_collector_on": ("test_frees_memory", "when the collector is on"),
-    "keyed_by_id": ("test_same_model", "not one built for 'b': find a model by its name"),
+    "keyed_by_id": ("test_same_model", "find a model by its name (an id() is reused once its object is freed)"),
     "cheat_weak_only_for_the_tests_loaders": ("test_frees_memory", "ModelCache(load_model, keep=1), the lesson's own loader"),
     "shared_by_every_cache": ("test_same_model", "an attribute set on the class is shared by every instance"),
 }

@@ -170,3 +170,51 @@ def test_timeline_draws_memory_held_above_the_meters_start_as_its_budget_counts(
                                   device=torch.device("cuda", 0))
     ax = plot_timeline(meter)
     assert list(ax.get_lines()[0].get_ydata()) == [0.0, 1.0, 2.0]
+
+
+# -- the figures lessons draw through gclab (named for what they show, not for a lesson) ----------------
+def _meter_with(sizes, label_last=None):
+    kept = []
+    with Meter("cpu") as meter:
+        for i, numel in enumerate(sizes):
+            kept.append(torch.zeros(numel))
+            meter.record(label_last if label_last and i == len(sizes) - 1 else f"step {i}")
+    return meter
+
+
+def test_runs_side_by_side_mark_an_out_of_memory_end_and_the_budget():
+    from gclab.plots import plot_counts, plot_held_by_run
+    runs = {"kept": _meter_with([256 * 1024] * 3), "ran out": _meter_with([256 * 1024] * 2, label_last="OOM")}
+    ax, colours = plot_held_by_run(runs, budget=2 * MiB, simulated=True, xticks=["a", "b", "c"])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["kept", "ran out", "simulated budget"]
+    assert list(ax.get_lines()[0].get_ydata()) == [1.0, 2.0, 3.0]
+    crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert len(crosses) == 1 and crosses[0].get_color() == colours["ran out"]
+    counts = plot_counts({"kept": [1, 1, 2], "ran out": [1, 2]})
+    assert [list(line.get_ydata()) for line in counts.get_lines()] == [[1, 1, 2], [1, 2]]
+
+
+def test_collector_counts_draw_both_thresholds_and_each_collection():
+    from gclab.plots import plot_collector_counts, plot_durations
+    from types import SimpleNamespace
+    collections = [SimpleNamespace(generation=0, start=1.5), SimpleNamespace(generation=1, start=2.5)]
+    fig = plot_collector_counts(([1, 2, 0, 1], [0, 0, 1, 1], [0, 0, 0, 0]), [1, 2, 3, 4], collections, (2, 10))
+    top, bottom = fig.axes
+    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+        "generation 0 count", "first threshold (2)", "gen 0 collection", "gen 1 collection"]
+    assert sum(line.get_xdata()[0] == 1 for line in bottom.get_lines()) == 1     # the first collection, at x=1
+    ax = plot_durations({"full": 5000.0, "young": 12.5})
+    assert [t.get_text() for t in ax.texts] == ["5,000 µs", "12.5 µs"] and ax.get_yscale() == "log"
+
+
+def test_panels_pairs_readings_and_time_and_peak():
+    from gclab.plots import plot_paired_bars, plot_panels, plot_readings, plot_time_and_peak
+    fig = plot_panels({"a": [1, 2, 3], "b": [0, 4, 1]}, last_label="after gc.collect()")
+    assert len(fig.axes) == 2 and list(fig.axes[1].get_lines()[1].get_ydata()) == [1]
+    ax = plot_paired_bars(["x(1)", "y"], ("left", [10, 20], "red"), ("right", [1, 2], "green"),
+                          annotate_second=lambda v: f"{v} B")
+    assert len(ax.patches) == 4 and [t.get_text() for t in ax.texts] == ["1 B", "2 B"]
+    ax = plot_readings(["start", "x = ones"], {"live": ([0, MiB], None)})
+    assert list(ax.get_lines()[0].get_ydata()) == [0.0, 1.0]
+    fig = plot_time_and_peak({"never": (1.0, 3 * MiB, True), "every 10": (2.0, MiB, False)}, budget=2 * MiB)
+    assert [t.get_text() for t in fig.axes[1].texts] == ["OOM"]

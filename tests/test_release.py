@@ -68,3 +68,61 @@ def test_no_test_cell_ends_in_an_expression():
                                                    and getattr(last.value.func, "id", "") == "print"):
                 ending.append(f"{path.name} {meta['grade_id']}: {ast.unparse(last)[:60]}")
     assert not ending, ending
+
+
+# Cells a learner reads (issue 37, section 4): each code cell of notebooks/ shows one idea in at most
+# MAX_CELL_LINES lines; drawing lives in gclab.plots and gclab.widgets.  Allowed to stay longer, by
+# (lesson, grade_id), with the most lines each may have:
+LONG_CELLS = {
+    # the given programs whose reading is the exercise (the learner finds the bug in them)
+    ("02_cycles_and_the_collector", "given_tree"): 60,        # the tree with back-references to fix
+    ("04_awaitable_callback_oom", "given_batch"): 31,         # the awaitable batch with the callback to fix
+    ("05_training_loop_leaks", "given_trainer"): 37,          # the trainer with the leaks to find
+    ("07_weakref_caches", "given_cache"): 45,                 # the leaky cache to start from
+    ("08_capstone", "given_program"): 127,                    # the capstone's whole program
+    # given set-ups (locked): the data and the model every trainer and test of the lesson uses, in one place
+    ("05_training_loop_leaks", "given_model"): 37,
+    ("07_weakref_caches", "given_models"): 31,
+    ("08_capstone", "given_data"): 39,
+    # visible self-checks as strict as the hidden tests (issue 37, section 3): each checks one exercise
+    # against every rule its hidden test applies, so that a wrong fix fails here, not only in the grade
+    ("00_measuring_memory", "test_release_readings"): 42,
+    ("00_measuring_memory", "test_claim_verdicts"): 32,
+    ("01_reference_counting", "test_job_reports"): 32,
+    ("01_reference_counting", "test_scaler_results"): 30,
+    ("02_cycles_and_the_collector", "test_tree_behaviour"): 38,
+    ("02_cycles_and_the_collector", "test_tree_frees_itself"): 56,
+    ("03_node_leak", "test_pair_links"): 39,
+    ("04_awaitable_callback_oom", "test_same_views"): 34,
+    ("05_training_loop_leaks", "test_dashboard"): 49,
+    ("07_weakref_caches", "test_same_model"): 27,
+    ("07_weakref_caches", "test_frees_memory"): 41,
+    ("07_weakref_caches", "test_no_stale_entries"): 27,
+    ("08_capstone", "test_registry"): 36,
+    ("08_capstone", "test_serving"): 36,
+}
+MAX_CELL_LINES = 25
+SETUP_CELL_LINES = 12
+
+
+def test_every_code_cell_a_learner_reads_is_short():
+    """Every code cell of the release has at most MAX_CELL_LINES lines, the set-up cell a learner runs
+    first at most SETUP_CELL_LINES; the cells of LONG_CELLS at most the lines they are allowed, and each
+    of them still exists and still needs its place on the list."""
+    too_long, stale = [], dict(LONG_CELLS)
+    for path in sorted((ROOT / "notebooks").glob("*/*.ipynb")):
+        lesson = path.parent.name
+        for index, (kind, source, meta) in enumerate(_cells(path)):
+            if kind != "code":
+                continue
+            grade_id = (meta or {}).get("grade_id")
+            lines = len(source.splitlines())
+            allowed = stale.pop((lesson, grade_id), None)
+            limit = SETUP_CELL_LINES if grade_id == "setup" else allowed or MAX_CELL_LINES
+            if lines > limit:
+                too_long.append(f"{lesson} cell {index} ({grade_id or 'demo'}): {lines} lines, at most {limit}")
+            elif allowed is not None and lines <= MAX_CELL_LINES:
+                too_long.append(f"{lesson} {grade_id}: {lines} lines now: take it off LONG_CELLS")
+    assert not too_long, "cells too long for a learner to read (split them, or draw through gclab.plots):\n" + \
+        "\n".join(too_long)
+    assert not stale, f"LONG_CELLS names cells that no longer exist: {sorted(stale)}"

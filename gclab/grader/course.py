@@ -22,24 +22,21 @@ KERNEL_NAME = "python3"
 KERNEL_DISPLAY_NAME = "Python 3 (gclab)"
 KERNELSPEC = {"display_name": KERNEL_DISPLAY_NAME, "language": "python", "name": KERNEL_NAME}
 
-# The first lines of every lesson's set-up cell (grade_id "setup").  The release replaces
+# Every lesson's set-up cell (grade_id "setup"), the first cell a learner runs: this block alone
+# (the lesson's imports follow in a cell of their own, grade_id "imports").  The release replaces
 # the "" of the GCLAB_SOURCE line with the course's address; the environment variable of
 # the same name, set in a cell above, wins over it.
 SOURCE_LINE = re.compile(r'^GCLAB_SOURCE = os\.environ\.get\("GCLAB_SOURCE"\) or (?P<literal>".*")$', re.M)
 SETUP_BLOCK = '''\
-# Set-up: run this cell first.
+# Set-up: run this cell first. Where the course's helper package gclab is missing (Colab), it installs it.
 import importlib.util, os, subprocess, sys
-# Where the course lives, for a kernel without its helper package gclab (Google Colab): set by
-# the instructor's `gclab release --source URL`; GCLAB_SOURCE in the environment wins over it.
 GCLAB_SOURCE = os.environ.get("GCLAB_SOURCE") or ""
 if importlib.util.find_spec("gclab") is None:
     if not GCLAB_SOURCE:
-        raise RuntimeError(
-            "The course's helper package gclab is not installed here, and this notebook does not say where "
-            "the course lives (the instructor sets that with `gclab release --source URL`). On Google Colab, "
-            "run `import os; os.environ['GCLAB_SOURCE'] = 'git+https://github.com/OWNER/REPO'` in a cell "
-            "above this one, with the course repository you were given, then run this cell again. On your own "
-            "machine, run `make lab` in the course folder and open the notebook from there.")
+        raise RuntimeError("The course's helper package gclab is not installed here, and this notebook does "
+                           "not say where the course lives. On Colab, run `import os; os.environ['GCLAB_SOURCE'] "
+                           "= 'git+https://github.com/OWNER/REPO'` (the repository you were given) in a cell above, "
+                           "then this cell again; on your own machine, run `make lab` in the course folder.")
     print(f"Installing gclab from {GCLAB_SOURCE} (this runtime's torch is kept) ...", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", GCLAB_SOURCE], check=True)
     importlib.invalidate_caches()
