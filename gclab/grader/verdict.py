@@ -1,6 +1,6 @@
 """The process that decides a submission's grade, out of reach of the learner's code.
 
-    python -m gclab.verdict CHANNEL_FD      (started by gclab.grading; the job arrives on stdin)
+    python -m gclab.grader.verdict CHANNEL_FD      (started by gclab.grader.launch; the job arrives on stdin)
 
 The grader starts it in a folder of its own and writes the job to its stdin: the lesson's
 locked set-up and "given" cells and its test cells (hidden tests included) from the
