@@ -1,0 +1,153 @@
+"""Results compared with the expected ones (`compare`, `assert_matches`, `plain`), and what a running
+test saw (`observe`), which the grader compares with what the same test saw running the reference
+solution.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Comparison", "compare", "assert_matches", "plain", "observe", "observations", "OBSERVED_VALUES_LIMIT"]
+
+
+# -- results equal the reference -----------------------------------------------------
+@dataclass
+class Comparison:
+    name: str
+    ok: bool
+    text: str
+
+    def __str__(self):
+        return self.text
+
+
+def _flatten(value):
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_flatten(v))
+        return out
+    return [value]
+
+
+_PLAIN_SCALARS = (bool, int, float, str, type(None))
+_PLAIN_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list", tuple: "tuple", dict: "dict",
+                torch.Tensor: "torch.Tensor"}
+
+
+def _a(name: str) -> str:
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def _type_name(kind) -> str:
+    return kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _is_numpy_scalar(value) -> bool:
+    """One of numpy's own scalar types (np.float64, np.int64, np.bool_), not a subclass made elsewhere."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) and type(value).__module__ == "numpy"
+
+
+def plain(value, name: str = "the value"):
+    """`value`, checked to be plain data before a test compares it: a bool, int, float, str or
+    None (numpy's own scalars become these), an exact torch.Tensor, or a list, tuple or dict of
+    plain data, each of exactly that type.
+    A subclass or another object could answer ==, float() or len() with whatever the test hopes
+    to see, so it is refused with an AssertionError that says what `name` is and what was expected."""
+    kind = type(value)
+    if kind in _PLAIN_SCALARS or kind is torch.Tensor:
+        return value
+    if _is_numpy_scalar(value):
+        return value.item()             # np.float64 from a numpy sum: numpy's own type, its Python value
+    if kind is dict:
+        return {plain(key, f"a key of {name}"): plain(item, f"{name}[{key!r}]") for key, item in value.items()}
+    if kind in (list, tuple):
+        return kind(plain(item, f"{name}[{i}]") for i, item in enumerate(value))
+    base = next((t for t in _PLAIN_NAMES if isinstance(value, t)), None)
+    if base is None:
+        raise AssertionError(f"{name} is {_a(_type_name(kind))}, expected plain data (a number, a str, None, "
+                             "a list, tuple or dict of them, or a torch.Tensor)")
+    raise AssertionError(f"{name} is {_a(_type_name(kind))} (a subclass of {_PLAIN_NAMES[base]}), "
+                         f"expected {_a(_PLAIN_NAMES[base])}")
+
+
+def compare(name: str, got, expected, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> Comparison:
+    """Compare two results element by element and say what matched and by how much it did not."""
+    got_flat, exp_flat = _flatten(got), _flatten(expected)
+    if len(got_flat) != len(exp_flat):
+        return Comparison(name, False, f"{name}: expected {len(exp_flat)} values, got {len(got_flat)}")
+    bad = []
+    for i, (g, e) in enumerate(zip(got_flat, exp_flat)):
+        try:
+            same = math.isclose(g, e, rel_tol=rel_tol, abs_tol=abs_tol)
+        except TypeError:
+            same = g == e
+        if not same:
+            bad.append((i, g, e))
+    if not bad:
+        return Comparison(name, True, f"{name}: all {len(exp_flat)} values match the reference")
+    i, g, e = bad[0]
+    try:
+        off = abs(g - e)
+        diff = f" (off by {off})" if isinstance(off, int) else f" (off by {off:.6g})"
+    except TypeError:
+        diff = ""
+    return Comparison(name, False, f"{name}: {len(bad)} of {len(exp_flat)} values differ from the "
+                      f"reference; first at position {i}: got {g!r}, expected {e!r}{diff}")
+
+
+def assert_matches(name: str, got, expected, **tolerances) -> None:
+    observe(name, got)
+    result = compare(name, got, expected, **tolerances)
+    assert result.ok, result.text
+
+
+# -- what a test saw, for the grader to compare with the reference solution's ------------------
+# The grader does not take a test's "passed" on the word of the process that ran it: it compares what
+# the test observed (the values compared above, what a flat check's steps returned, what a test
+# records with `observe`) with what the same test observed running the reference solution.
+_OBSERVED: list = []
+OBSERVED_VALUES_LIMIT = 2000        # values kept per observation
+
+
+def observe(name: str, value) -> None:
+    """Record `value` (plain data, tensors, or lists of them) as something the running test saw."""
+    _OBSERVED.append([str.__str__(name) if type(name) is str else "?", _observable(value)])
+
+
+def observations(clear: bool = True) -> list:
+    """[[name, [values]], ...] recorded since the last call (`clear`: start afresh)."""
+    seen = list(_OBSERVED)
+    if clear:
+        _OBSERVED.clear()
+    return seen
+
+
+def _observable(value) -> list:
+    """`value` flattened to at most OBSERVED_VALUES_LIMIT JSON values: a number, str, bool or None as
+    it is (NaN and infinities as text), anything else as "<object>" (two right answers may return
+    objects of different classes)."""
+    try:
+        flat = _flatten(value)
+    except Exception:
+        flat = [value]
+    out = []
+    for item in flat[:OBSERVED_VALUES_LIMIT]:
+        kind = type(item)
+        if kind is float and not math.isfinite(item):
+            out.append(repr(item))
+        elif kind in (bool, int, float, str, type(None)):
+            out.append(item)
+        elif _is_numpy_scalar(item):
+            out.append(_observable(item.item())[0])
+        else:
+            out.append("<object>")
+    return out
+
+
