@@ -31,7 +31,7 @@ __all__ = ["FlatReport", "run_flat_check", "assert_flat", "assert_graphs_do_not_
 @dataclass
 class FlatReport:
     """What happened while `step` ran repeatedly: first with the automatic collector off (the
-    last `unwatched` of those iterations with nothing of the grader's in the process), then
+    last `unwatched` of those iterations with nothing of the check's in the process), then
     (`collector_on` iterations) with it on, so that code which leaks only while the collector
     runs (or checks `gc.isenabled()`), or only while nothing measures it, is caught too."""
     device: torch.device
@@ -169,7 +169,7 @@ class FlatReport:
     def _explain_unwatched(self) -> list[str]:
         where = (f"in {self.unwatched} more iteration{'s' if self.unwatched != 1 else ''} with the collector off, "
                  "run with nothing of the "
-                 "grader's in the process (no meter, no profiler, no hook in gc.callbacks)")
+                 "check's in the process (no meter, no profiler, no hook in gc.callbacks)")
         lines = []
         grew = max(self.heap_unwatched, default=0)
         if grew > self.HEAP_SLACK:
@@ -228,7 +228,7 @@ class FlatReport:
 
     def explain(self) -> str:
         if self.ok:
-            unwatched = (f", then after {self.unwatched} more with nothing of the grader's watching (measured "
+            unwatched = (f", then after {self.unwatched} more with nothing of the check's watching (measured "
                          "by the process's memory: its heap and mappings)" if self.unwatched else "")
             also = (f", and after each of {self.with_collector_on} more with the collector on"
                     if self.with_collector_on else "")
@@ -273,7 +273,7 @@ class FlatReport:
                 "free memory by reference counting whether the collector is on or off.")
         if self.tensors_kept_collector_on > 0 and not bad:
             lines.append(
-                f"in {self.with_collector_on} more iterations with the collector on and nothing of the grader's "
+                f"in {self.with_collector_on} more iterations with the collector on and nothing of the check's "
                 f"watching, tensors holding {format_bytes(self.tensors_kept_collector_on)} were left alive, beyond "
                 "those they replaced: the code keeps tensors when the collector is on and nothing measures it. "
                 "A fix must free its tensors whether the collector is on or off, watched or not.")
@@ -297,7 +297,7 @@ UNWATCHED_AT_LEAST = 8
 def run_flat_check(step, iterations: int = 20, device=None, warmup: int = 0,
                    collector_on: int | None = None, holder=None, holder_name: str | None = None) -> FlatReport:
     """Call `step(i)` for i in range(warmup + iterations) with the automatic collector off and the
-    meter watching, then more times with nothing of the grader's in the process: half of
+    meter watching, then more times with nothing of the check's in the process: half of
     `collector_on` (default: a quarter of `iterations`, at least 2), but at least
     `UNWATCHED_AT_LEAST`, with the collector off, and the other half with it on.
 

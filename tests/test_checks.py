@@ -177,7 +177,7 @@ def test_a_cycle_freed_by_an_automatic_collection_is_fine_with_the_collector_on(
     report = run_flat_check(fixed_step, iterations=4, collector_on=6)
     assert report.ok, report.explain()
     assert report.unwatched == 8 and len(report.growth_collector_on) == 3
-    assert "then after 8 more with nothing of the grader's watching" in report.explain()
+    assert "then after 8 more with nothing of the check's watching" in report.explain()
     assert "and after each of 3 more with the collector on" in report.explain()
 
 
@@ -200,7 +200,7 @@ def test_leaks_unless_a_dispatch_mode_is_active_is_caught_unwatched(collect_afte
     assert report.growth == [0] * 8 and not report.ok
     assert report.heap_unwatched[-1] >= report.unwatched * BIG * 4
     text = report.explain()
-    assert "run with nothing of the grader's in the process" in text and "the process's memory grew by" in text
+    assert "run with nothing of the check's in the process" in text and "the process's memory grew by" in text
 
 
 def test_leaks_unless_a_hook_is_in_gc_callbacks_is_caught_unwatched(collect_after):
@@ -927,7 +927,7 @@ def test_tensors_kept_only_while_the_collector_is_on_behind_a_freed_reserve_are_
     report = run_flat_check(step, iterations=8, collector_on=4)
     assert report.tensors_kept_unwatched == 0 and not report.ok
     assert report.tensors_kept_collector_on == report.with_collector_on * BIG * 4
-    assert "with the collector on and nothing of the grader's watching, tensors holding 512.00 KiB" in report.explain()
+    assert "with the collector on and nothing of the check's watching, tensors holding 512.00 KiB" in report.explain()
 
 
 def test_a_torch_without_the_census_profiler_api_is_judged_without_that_count(collect_after, monkeypatch):
