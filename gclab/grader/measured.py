@@ -191,11 +191,11 @@ def confirm(status: str, observed, measured: dict, reference_test: dict | None,
 
 def calls_disagree(calls: list, ref_calls: list, price: float | None) -> str | None:
     """Why the CPU time of a test's calls, read from outside at each mark (gclab.outside), refutes its
-    "passed", or None.  A call that took more than twice the reference's median call plus half a full
-    collection's price ran (most of) a collection.  A right answer's automatic collections fall where
-    they fall (where its own allocations and the machine's timing put them), so such calls are counted,
-    not matched call by call: the test may have as many as the reference solution's same test had,
-    plus one, or one in a hundred."""
+    "passed", or None.  A call that took more than twice the reference's same call (or its median call,
+    if more) plus half a full collection's price ran (most of) a collection the reference's did not.  A
+    right answer's automatic collections fall where they fall (where its own allocations and the
+    machine's timing put them), so such calls are counted, not matched call by call: the test may have as
+    many as the reference solution's same test had calls that ran one, plus one, or one in a hundred."""
     if not ref_calls:
         return None
     if len(calls) != len(ref_calls):
@@ -205,14 +205,13 @@ def calls_disagree(calls: list, ref_calls: list, price: float | None) -> str | N
     if not price:
         return None
     typical = statistics.median(ref_calls)
-    line = CALL_FACTOR * typical + price / 2
-    over = [got for got in calls if got > line]
-    ref_over = sum(1 for ref in ref_calls if ref > line)
+    over = [got for got, ref in zip(calls, ref_calls) if got > CALL_FACTOR * max(ref, typical) + price / 2]
+    ref_over = sum(1 for ref in ref_calls if ref > CALL_FACTOR * typical + price / 2)
     if len(over) <= ref_over + max(1, len(calls) // 100):
         return None
     return (f"your process reported that the test passed, but the grader, timing each of its {len(calls)} calls "
             f"(requests served, steps of a check) from outside, found {len(over)} that took far more CPU time than "
-            f"the reference solution's calls, where the reference's same test had {ref_over}: the longest "
+            f"the reference solution's same calls, where the reference's test had {ref_over} that ran one: the longest "
             f"{max(over) * 1e3:.0f} ms, where the reference's took {typical * 1e3:.1f} ms (median) and a full "
             f"collection {price * 1e3:.0f} ms. Something collected inside them")
 
