@@ -6,17 +6,17 @@ accounting of it):
 
 - resident memory, `VmRSS` in `/proc/PID/status`, and its peak `VmHWM`, which writing 5 to
   `/proc/PID/clear_refs` resets to the current figure (so a peak can be read for a window);
-- time on the CPU, `/proc/PID/task/TID/schedstat` of each of its threads (nanoseconds they ran;
-  time spent waiting for a core does not count, so a busy machine does not inflate it), plus what
-  its finished children ran (`cutime`, `cstime` of `/proc/PID/stat`, clock ticks);
+- time on the CPU, the kernel's CPU-time clock of the whole process (`clock_gettime` on the clock
+  id `clock_getcpuclockid(PID)` names: nanoseconds all its threads ran, the ones that already ended
+  included; time spent waiting for a core does not count, so a busy machine does not inflate it),
+  plus what its finished children ran (`cutime`, `cstime` of `/proc/PID/stat`, clock ticks);
 - its threads (`/proc/PID/task`) and the processes of its session (a verdict process starts a
   session of its own: whatever it starts, a model server included, stays in it unless it leaves);
 - on a machine with an NVIDIA GPU, the driver's figure of each process's device memory (NVML,
   the `nvidia-ml-py` package), where that package is installed.
 
 What it cannot see: memory a process maps but never touches (not resident), processes that left
-the session (`setsid`; the grader's verdict counts such a departure against the learner), and the
-CPU time of threads that have already ended (it leaves the per-thread counts).
+the session (`setsid`; the grader's verdict counts such a departure against the learner).
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def _status(pid: int) -> dict:
 
 
 def _threads_ns(pid: int) -> int:
+    """What the live threads of `pid` ran (the fallback where the process clock cannot be read)."""
     ran = 0
     try:
         threads = os.listdir(f"/proc/{pid}/task")
@@ -95,15 +96,29 @@ def _threads_ns(pid: int) -> int:
     return ran
 
 
+def _process_clock(pid: int) -> int:
+    # the clock id glibc's clock_getcpuclockid(pid) returns: CPUCLOCK_SCHED (2) of the whole process
+    return ((~pid) << 3) | 2
+
+
+def _ran_ns(pid: int) -> int:
+    """Nanoseconds every thread of `pid` ran, the ended ones included (a thread started and ended
+    inside a call cannot take its work out of the count)."""
+    try:
+        return time.clock_gettime_ns(_process_clock(pid))
+    except OSError:
+        return _threads_ns(pid)
+
+
 def _cpu_ns(pid: int) -> int:
     fields = _stat_fields(pid)
     children = (int(fields[13]) + int(fields[14])) * _TICK_NS if fields else 0     # cutime, cstime
-    return _threads_ns(pid) + children
+    return _ran_ns(pid) + children
 
 
 def cpu_ns(pids) -> int:
-    """Nanoseconds on a CPU of `pids`' threads, now (cheaper than `read`: no listing of the session)."""
-    return sum(_threads_ns(pid) for pid in pids)
+    """Nanoseconds on a CPU of `pids`, now (cheaper than `read`: no listing of the session)."""
+    return sum(_ran_ns(pid) for pid in pids)
 
 
 def read(sid: int) -> Reading:

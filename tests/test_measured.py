@@ -104,18 +104,18 @@ def test_a_result_without_its_start_is_refuted():
 
 
 
-def test_cpu_time_counts_every_thread_of_a_process():
-    proc = _child("import threading\n"
+def test_cpu_time_counts_every_thread_of_a_process_the_ended_ones_included():
+    proc = _child("import threading, time\n"
                   "def spin():\n    x = 0\n    for _ in range(8_000_000): x += 1\n"
-                  "t = threading.Thread(target=spin)\nt.start()\nspin()\n"
-                  "print('ready', flush=True)\nimport sys\nsys.stdin.read()\nt.join()")
+                  "t = threading.Thread(target=spin)\nt.start()\nt.join()\n"
+                  "print(time.process_time_ns(), flush=True)\nimport sys\nsys.stdin.read()")
     try:
-        proc.stdout.readline()
+        claimed = int(proc.stdout.readline())
         pid = proc.pid
-        threads = procfs.cpu_ns([pid])
-        with open(f"/proc/{pid}/schedstat") as f:
-            leader = int(f.read().split()[0])
-        assert threads >= leader and procfs.read(pid).cpu_ns >= threads
+        now = procfs.cpu_ns([pid])
+        live = procfs._threads_ns(pid)
+        assert now >= claimed > live + 50_000_000       # the ended thread's work is in the count
+        assert procfs.read(pid).cpu_ns >= now
     finally:
         proc.kill()
         proc.wait()
