@@ -268,6 +268,10 @@ checks.observe("doubles", got)
 assert not watch.collections, f"the collector ran {watch.count()} times while double() was called"
 """
 COLLECTS_IN_EVERY_CALL = "import gc\ndef double(x):\n    gc.collect()\n    return 2 * x\n"
+# the collection run by a thread that has ended by the time the call returns (its own CPU-time count gone)
+COLLECTS_IN_A_THREAD_THAT_ENDS = ("import gc, threading\ndef double(x):\n"
+                                  "    helper = threading.Thread(target=gc.collect)\n"
+                                  "    helper.start()\n    helper.join()\n    return 2 * x\n")
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +286,9 @@ def graded_band_aid(tmp_path_factory):
     paths = {}
     for name, answer in {"collects_in_every_call": COLLECTS_IN_EVERY_CALL,
                          "cheat_collects_in_every_call_and_relays_passed":
-                             COLLECTS_IN_EVERY_CALL + RELAYS_THE_CHANNEL_SAYING_PASSED}.items():
+                             COLLECTS_IN_EVERY_CALL + RELAYS_THE_CHANNEL_SAYING_PASSED,
+                         "cheat_collects_in_a_thread_that_ends_and_relays_passed":
+                             COLLECTS_IN_A_THREAD_THAT_ENDS + RELAYS_THE_CHANNEL_SAYING_PASSED}.items():
         paths[name] = folder / f"{name}-toy.ipynb"
         nbformat.write(toy(answer), paths[name])
     return dict(zip(paths, grading.grade(list(paths.values()), root=course)))
@@ -297,3 +303,11 @@ def test_a_band_aid_collection_in_every_call_is_timed_from_outside_whatever_the_
     message = lying.tests[0].message
     assert "timing each of its 30 calls" in message and "Something collected inside them" in message, message
     assert lying.disagreements, "refuted by the grader's own figures: listed for review"
+
+
+def test_a_collection_run_by_a_thread_that_ends_inside_the_call_is_still_timed(graded_band_aid):
+    """The collection moved to a helper thread, started and joined inside each call: the thread is gone
+    when the grader reads the call's end, but the process's CPU-time clock keeps what it ran."""
+    lying = graded_band_aid["cheat_collects_in_a_thread_that_ends_and_relays_passed"]
+    assert lying.score == 0, grading.format_results([lying])
+    assert "Something collected inside them" in lying.tests[0].message, lying.tests[0].message
