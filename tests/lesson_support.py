@@ -92,10 +92,9 @@ def refused_for_tampering(result) -> bool:
 
 
 def test_every_wrong_fix_that_loses_points_fails_a_visible_self_check(graded, request, tmp_path):
-    """Every lesson's test module whose self-checks are as strict as its hidden tests imports this test
-    (not lesson 06's: its self-check serves two loads to each losing policy, which added 183 s to the suite's
-    longest module, measured on the 2 shared cores of the test machine; the suite must stay under 15 minutes):
-    every graded submission that lost points (its wrong fixes and hostile variants, the untouched release
+    """Every lesson's test module imports this test but lesson 06's (its self-check serves loads to each
+    losing policy, which would add 183 s to the suite's longest module: tests/test_lesson_06_self_check.py
+    runs its wrong policies' self-checks beside it): every graded submission that lost points (its wrong fixes and hostile variants, the untouched release
     aside) also fails at least one of the release's visible self-checks, run with its answers as a learner
     runs them.  The hidden tests may use other inputs and sizes, never other rules.  A module may name, in
     NOT_YET_CAUGHT_VISIBLY (name -> why), wrong fixes its self-checks cannot catch yet: those must still pass
