@@ -219,11 +219,25 @@ def _recorder(token, process_time=time.process_time, stats=_collections_so_far,
 
     Messages: ("start", generation, wall, cpu) and ("stop", generation, wall, cpu, collected,
     uncollectable) from the gc.callbacks hook; ("request", id, start, end) from the server;
-    ("read", token) and ("reset", token) from the trace endpoint. Anything else is counted
-    as a forgery."""
+    ("read", token) and ("reset", token) from the trace endpoint, and ("answer", token) from it
+    while it waits for a read that came during a collection. Anything else is counted as a forgery."""
     collections, requests, forged = [], [], []
     pending = None
     at_reset, cpu_at_reset = stats(), process_time()
+    deferred, answered = [], []     # reads that came during a collection; their replies, made when it stopped
+
+    def read(kind):
+        nonlocal collections, requests, at_reset, cpu_at_reset
+        now, cpu_now = stats(), process_time()
+        counted = [now[g][0] - at_reset[g][0] for g in range(len(now))]
+        found = [now[g][1] - at_reset[g][1] for g in range(len(now))]
+        data = {"collections": [list(c) for c in collections], "requests": [list(r) for r in requests],
+                "forged": list(forged), "counted": counted, "found": found, "server_cpu": cpu_now - cpu_at_reset}
+        if kind == "reset":             # what was forged stays on the record
+            collections, requests = [], []
+            at_reset, cpu_at_reset = now, cpu_now
+        return data
+
     reply = None
     while True:
         message = yield reply
@@ -242,38 +256,61 @@ def _recorder(token, process_time=time.process_time, stats=_collections_so_far,
                 generation, wall, cpu = pending
                 collections.append((generation, wall, message[2] - wall, message[3] - cpu, message[4], message[5]))
             pending = None
+            # a read that waited for this collection is answered now, in the thread that ran it: a server
+            # collecting back to back may never be between two collections when the reading thread gets
+            # the interpreter; only where the record agrees with CPython's count, or a later read decides
+            while deferred and not _record_disagrees(read("read")):
+                answered.append(read(deferred.pop(0)))
         elif kind == "request" and len(message) == 4:
             requests.append(message[1:])
         elif kind in ("read", "reset") and len(message) == 2 and message[1] is token and pending is not None:
-            reply = {"in_progress": True}       # a collection is under way in the other thread: ask again
+            deferred.append(kind)
+            reply = {"in_progress": True}       # a collection is under way: answered when it stops
         elif kind in ("read", "reset") and len(message) == 2 and message[1] is token:
-            now, cpu_now = stats(), process_time()
-            counted = [now[g][0] - at_reset[g][0] for g in range(len(now))]
-            found = [now[g][1] - at_reset[g][1] for g in range(len(now))]
-            reply = {"collections": [list(c) for c in collections], "requests": [list(r) for r in requests],
-                     "forged": list(forged), "counted": counted, "found": found,
-                     "server_cpu": cpu_now - cpu_at_reset}
-            if kind == "reset":             # what was forged stays on the record
-                collections, requests = [], []
-                at_reset, cpu_at_reset = now, cpu_now
+            deferred.clear()
+            answered.clear()                    # a read given up on before this one
+            reply = read(kind)
+        elif kind == "answer" and len(message) == 2 and message[1] is token:
+            if answered:
+                reply = answered.pop(0)
+            elif deferred and pending is None:  # the record drained, no collection under way: read it now
+                reply = read(deferred.pop(0))
+            else:
+                reply = {"in_progress": True}
         else:
             forged.append(f"an unknown message reached the record ({str(kind)[:40]})")
         if was_enabled:
             enable()
 
 
+def _record_disagrees(data) -> list[str]:
+    """Where a read of the record disagrees with what CPython counted itself (collections per
+    generation, and the unreachable objects they found)."""
+    problems = []
+    seen = [sum(1 for c in data["collections"] if c[0] == g) for g in range(len(data["counted"]))]
+    if seen != data["counted"]:
+        problems.append(f"the record has {seen} collections per generation, CPython counted {data['counted']}")
+    found = [sum(c[4] for c in data["collections"] if c[0] == g) for g in range(len(data["found"]))]
+    if found != data["found"]:
+        problems.append(f"the record's collections found {found} unreachable objects, CPython counted "
+                        f"{data['found']}")
+    return problems
+
+
 def _serialized(send, sleep=time.sleep):
     """`send` to the record from either thread (the server's, or the one that answers trace
     requests).  A caller that finds the record busy (the other thread is in it, or this thread
     is, when a collection starts inside it) leaves its message in a queue drained before the next
-    message, and never waits; a read (`wait=True`) waits for the record and for any collection
-    under way, so that what it reads matches CPython's counters."""
+    message, and never waits; a read (`wait=True`) waits for the record and, when a collection is
+    under way, for its reply, made as the collection stops, so that what it reads matches CPython's
+    counters."""
     import collections
     import threading
     lock, backlog = threading.Lock(), collections.deque()
     append, popleft = backlog.append, backlog.popleft
 
     def record(message, wait=False):
+        asked = message
         for _ in range(5000):
             if not lock.acquire(wait):
                 append(message)
@@ -282,7 +319,10 @@ def _serialized(send, sleep=time.sleep):
                 while backlog:
                     send(popleft())
                 reply = send(message)
-                if not (wait and (backlog or (type(reply) is dict and reply.get("in_progress")))):
+                in_progress = type(reply) is dict and reply.get("in_progress")
+                # asked during a collection: its reply is awaited; messages that came meanwhile: asked again
+                message = ("answer", asked[1]) if in_progress else asked
+                if not (wait and (backlog or in_progress)):
                     return reply
             finally:
                 lock.release()
@@ -391,13 +431,7 @@ def _audit(record, state, on_gc, guard, full_cpu, token, before, parts):
             problems.append("the server's gc.callbacks hook was removed")
         elif callbacks.count(on_gc) != 1:
             problems.append("the server's gc.callbacks hook was added again")
-        seen = [sum(1 for c in data["collections"] if c[0] == g) for g in range(len(data["counted"]))]
-        if seen != data["counted"]:
-            problems.append(f"the record has {seen} collections per generation, CPython counted {data['counted']}")
-        found = [sum(c[4] for c in data["collections"] if c[0] == g) for g in range(len(data["found"]))]
-        if found != data["found"]:
-            problems.append(f"the record's collections found {found} unreachable objects, CPython counted "
-                            f"{data['found']}")
+        problems += _record_disagrees(data)
         if guard is not None:
             problems += guard.problems()
         problems += _explanations_lost(state, data)
