@@ -27,7 +27,8 @@ import weakref
 from collections import deque
 
 
-__all__ = ["Lifetimes", "reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
+__all__ = ["Lifetimes", "Stub", "reference_paths", "direct_referrers", "forget_last_error", "link", "links",
+           "objects_added"]
 
 _MAIN = "__main__"
 _SHELL = "get_ipython()"
@@ -351,3 +352,29 @@ class Lifetimes:
             alive += sum(1 for obj in gc.get_objects() if kinds.get(id(obj)) is type(obj))
         return alive
 
+
+
+class Stub:
+    """A stand-in for a real object (a model a loader builds, a connection): it has a `name`, takes weak
+    references, and is of a size few other objects are (twenty spare slots), so that once one is freed the
+    next Stub made usually takes its address, and with it its id().  A store that finds its objects by
+    id() instead of by name hands a new Stub back for an old one's id.
+
+        Stub("m0").name     # "m0"
+    """
+    __slots__ = ("name", "__weakref__", *(f"_spare{i}" for i in range(20)))
+
+    def __init__(self, name=None):
+        self.name = name
+
+    def __repr__(self):
+        return f"Stub({self.name!r})"
+
+
+def objects_added(action, times: int = 1) -> int:
+    """How many more objects the collector tracks after `action(i)` ran for i in range(times), what each
+    returned dropped at once, than before: what the calls left alive (an entry kept for each, say)."""
+    before = len(gc.get_objects())
+    for i in range(times):
+        action(i)
+    return len(gc.get_objects()) - before
