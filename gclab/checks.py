@@ -2,7 +2,9 @@
 
 Each check returns a report that can say, in a sentence, what went wrong and by how
 much; the `assert_*` helpers turn a failed report into an AssertionError with that
-sentence, which is what a learner (and nbgrader's feedback) sees.
+sentence, which is what a learner (and nbgrader's feedback) sees.  Smaller helpers check one
+property in one sentence (`assert_view_of`, `assert_same_again`, `must_not_raise`, `assert_raises`,
+`assert_frees_alike`), so that a self-check reads as the rules it applies.
 """
 from __future__ import annotations
 

@@ -14,6 +14,10 @@ variables are not objects the collector knows on Python 3.11+, and this call's o
 caller always holds the object), and references from C code that the collector is not
 told about.  Each step of the search scans every object the collector tracks, so it
 stops after `max_visits` objects.
+
+Also here, for tests of stores that keep objects (caches, registries): `Lifetimes` (how many of some
+objects are still alive), `Stub` (a stand-in whose freed address the next one takes) and
+`objects_added` (what calls left alive, counted).
 """
 from __future__ import annotations
 

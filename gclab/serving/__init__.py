@@ -14,7 +14,8 @@ One idea per module, each saying what it measures and what it cannot see:
 - `load`       the load generator process: an open-loop schedule of requests, with the collector off
 - `trace`      what the server recorded, read from the notebook (`Trace`, `ServedCollection`)
 - `runs`       the notebook's side: `ModelServer`, `run_load`, `measure`, `compare`, `spread`
-- `inline`     serving in this process, one request after another (`serve_inline`)
+- `inline`     serving in this process, one request after another (`serve_inline`), and the rules a
+               served run is held to (`assert_served`)
 - `processes`  how servers and loads are started (`python -m gclab.serving`, forked from a zygote)
 
 Lessons import the names below from `gclab.serving` itself.
