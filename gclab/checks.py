@@ -2,7 +2,9 @@
 
 Each check returns a report that can say, in a sentence, what went wrong and by how
 much; the `assert_*` helpers turn a failed report into an AssertionError with that
-sentence, which is what a learner (and nbgrader's feedback) sees.
+sentence, which is what a learner (and nbgrader's feedback) sees.  Smaller helpers check one
+property in one sentence (`assert_view_of`, `assert_same_again`, `must_not_raise`, `assert_raises`,
+`assert_frees_alike`), so that a self-check reads as the rules it applies.
 """
 from __future__ import annotations
 
@@ -15,15 +17,19 @@ import torch
 
 from .flat_check import (UNWATCHED_AT_LEAST, FlatReport, _heap_read_from, _kept_as_data,  # noqa: F401
                          assert_flat, assert_graphs_do_not_grow, run_flat_check)
-from .observed import (OBSERVED_VALUES_LIMIT, Comparison, assert_matches, compare, observations,  # noqa: F401
-                       observe, plain)
+from .memory import format_bytes, held_while_and_after
+from .observed import (OBSERVED_VALUES_LIMIT, Comparison, _same, _shown, assert_matches,  # noqa: F401
+                       assert_numbers, assert_same_results, compare, error_line, globals_set, observations, observe,
+                       plain, side_by_side)
 from .policy_check import (GARBAGE_FRACTION, LOAD_BURST, LOAD_LULL, MIN_IDLE_MOMENTS, PAUSE_BUDGET,  # noqa: F401
                            PolicyReport, assert_policy, run_policy_check)
 
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
-           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call"]
+           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call", "assert_numbers",
+           "error_line", "side_by_side", "assert_same_results", "globals_set", "assert_view_of", "assert_same_again",
+           "must_not_raise", "assert_raises", "assert_frees_alike"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
 # notebook's locked set-up cell imports it before any student code runs); read-only, so that
@@ -56,6 +62,64 @@ def assert_untampered() -> None:
     assert not problems, ("the grader's tools were replaced by the notebook's code: "
                           + ", ".join(problems) + ". Restore them (restart the kernel) and run again.")
 
+
+
+# -- one property, one sentence -----------------------------------------------------------
+def assert_view_of(result, base, what: str = "the result", of: str = "its input") -> None:
+    """`result` is a tensor that shares `base`'s storage (a view of it, not a copy), or an AssertionError
+    says which of the two it is not."""
+    assert isinstance(result, torch.Tensor), f"{what} is {type(result).__name__}, not a tensor"
+    assert result.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), (
+        f"{what} is a copy: it must be a view of {of}")
+
+
+def assert_same_again(call, first, what: str = "call", hint: str = "") -> None:
+    """`call()` made once more returns what it returned the first time (`first`: a tensor of the same
+    shape, dtype, device and values; anything else of the same type and ==), and raises nothing; else an
+    AssertionError about "a second {what}", ending with `hint`."""
+    try:
+        again = call()
+    except Exception as error:
+        raise AssertionError(f"a second {what} raised {type(error).__name__}: {error}"
+                             + (f"; {hint}" if hint else "")) from None
+    assert _same(again, first), (f"a second {what} returned {_shown(again)}, not what the first returned "
+                                 f"({_shown(first)})" + (f": {hint}" if hint else ""))
+
+
+def must_not_raise(error, call, *args, why: str = ""):
+    """`call(*args)`'s result; where it raises `error` (an exception type), an AssertionError that names the
+    call, its arguments, the error and `why` it should not have."""
+    try:
+        return call(*args)
+    except error as raised:
+        shown = ", ".join(map(repr, args))
+        raise AssertionError(f"{getattr(call, '__name__', 'the call')}({shown}) raised {type(raised).__name__} "
+                             f"{why}".rstrip() + (f": {raised}" if str(raised) and not why else "")) from None
+
+
+def assert_raises(error, call, *args, message: str) -> None:
+    """`call(*args)` raises `error` (an exception type); if it returns instead, AssertionError(message).
+    Any other exception goes through as it is."""
+    try:
+        call(*args)
+    except error:
+        return
+    raise AssertionError(message)
+
+
+def assert_frees_alike(make, use, most: int, what: str, name: str = "it", device=None) -> None:
+    """`obj = make(); use(obj)`, measured with the automatic collector off, then on
+    (`gclab.memory.held_while_and_after`): with either, at most `most` bytes held once `use` returned;
+    with it off, nothing left once `obj` is dropped (`del {name}`).  Each message starts with `what`."""
+    for collector in (False, True):
+        kept, left = held_while_and_after(make, use, device, collector=collector)
+        state = "on" if collector else "off"
+        assert kept <= most, (f"{what}, with the collector {state}: {format_bytes(kept)} held; expected at most "
+                              f"{format_bytes(most)}" + (f": {name} must free alike when the collector is on"
+                                                         if collector else ""))
+        assert collector or left == 0, (
+            f"{what}: after `del {name}`, {format_bytes(left)} is still held with the collector off: something keeps "
+            f"{name} or what it holds alive (a callback that refers to {name}?)")
 
 
 # -- a test's function handed to the notebook's code ------------------------------------
@@ -152,4 +216,6 @@ def _sealed_caller(send, stopped):
 _OWN = types.MappingProxyType({name: globals()[name] for name in
                                ("run_flat_check", "assert_flat", "compare", "assert_matches", "plain",
                                 "integrity_problems", "assert_untampered", "run_policy_check", "assert_policy",
-                                "sealed_call")})
+                                "sealed_call", "assert_numbers", "error_line", "side_by_side",
+                                "assert_same_results", "globals_set", "assert_view_of", "assert_same_again",
+                                "must_not_raise", "assert_raises", "assert_frees_alike")})

@@ -37,7 +37,7 @@ from .process_memory import ProcessMemory, process_memory  # noqa: F401  (see th
 
 __all__ = ["AllocationCensus", "Meter", "MeterPoint", "ProcessMemory", "cuda_bytes", "default_device", "describe_device",
            "device_storage",
-           "format_bytes", "process_memory"]
+           "format_bytes", "held_while_and_after", "process_memory"]
 
 MiB = 1024**2
 
@@ -533,6 +533,25 @@ class Meter:
         budget = f", budget={format_bytes(self.budget)}" if self.budget else ""
         return (f"<Meter {self.device} {state}: allocated={format_bytes(self.allocated())}, "
                 f"peak={format_bytes(self.peak())}{budget}>")
+
+
+def held_while_and_after(make, use, device=None, collector: bool = True) -> tuple[int, int]:
+    """`obj = make(); use(obj)` under a `Meter` on `device`, with the automatic collector on or, with
+    `collector=False`, off (only reference counting frees): the bytes held once `use` returned, while
+    `obj` is alive, and those still held after the last reference this function had to `obj` is dropped.
+    Neither reading runs a collection."""
+    with contextlib.ExitStack() as stack:
+        if not collector:
+            was_enabled = gc.isenabled()
+            gc.disable()
+            if was_enabled:
+                stack.callback(gc.enable)
+        meter = stack.enter_context(Meter(device))
+        obj = make()
+        use(obj)
+        kept = meter.growth()
+        del obj
+        return kept, meter.growth()
 
 
 def _warm_up_dispatch():

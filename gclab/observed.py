@@ -1,16 +1,19 @@
-"""Results compared with the expected ones (`compare`, `assert_matches`, `plain`), and what a running
-test saw (`observe`), which the grader compares with what the same test saw running the reference
-solution.
+"""Results compared with the expected ones (`compare`, `assert_matches`, `plain`, `assert_numbers`), two
+implementations run side by side (`side_by_side`, `assert_same_results`, `globals_set`, `error_line`), and
+what a running test saw (`observe`), which the grader compares with what the same test saw running the
+reference solution.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Comparison", "compare", "assert_matches", "plain", "observe", "observations", "OBSERVED_VALUES_LIMIT"]
+__all__ = ["Comparison", "compare", "assert_matches", "plain", "observe", "observations", "OBSERVED_VALUES_LIMIT",
+           "assert_numbers", "error_line", "side_by_side", "assert_same_results", "globals_set"]
 
 
 # -- results equal the reference -----------------------------------------------------
@@ -106,6 +109,95 @@ def assert_matches(name: str, got, expected, **tolerances) -> None:
     observe(name, got)
     result = compare(name, got, expected, **tolerances)
     assert result.ok, result.text
+
+
+def assert_numbers(name: str, values) -> None:
+    """Every one of `values` is a number (an int or a float, not a bool, a tensor or a str), or an
+    AssertionError names `name` and the types it holds instead."""
+    values = list(values)
+    wrong = sorted({type(v).__name__ for v in values if type(v) is bool or not isinstance(v, (int, float))})
+    assert not wrong, f"{name} should hold numbers, it holds {sorted({type(v).__name__ for v in values})}"
+
+
+def error_line(error) -> str:
+    """An error as a dashboard shows it, "Type: message": from an exception, or from its formatted text
+    (a traceback's last line); "" for empty text."""
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__}: {error}"
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else ""
+
+
+# -- two implementations side by side ---------------------------------------------------
+def side_by_side(objects, method: str, arguments) -> list:
+    """Call `method` of each of `objects` (say, the learner's trainer and the reference's) with each of
+    `arguments` in turn, interleaved as a loop running both would call them: the first object's with the
+    first argument, the second's with it, then the next argument (a tuple is unpacked).  Returns `objects`.
+    An exception in any call becomes an AssertionError naming the object's class, the method, its argument
+    and the error."""
+    objects = list(objects)
+    for argument in arguments:
+        args = argument if isinstance(argument, tuple) else (argument,)
+        for obj in objects:
+            try:
+                getattr(obj, method)(*args)
+            except Exception as error:
+                shown = ", ".join(map(repr, args))
+                raise AssertionError(f"{type(obj).__name__}.{method}({shown}) raised {type(error).__name__}: "
+                                     f"{error}") from None
+    return objects
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}"
+    return repr(value) if len(repr(value)) <= 80 else f"{_a(type(value).__name__)}"
+
+
+def _same(got, expected) -> bool:
+    if isinstance(expected, torch.Tensor):
+        return (isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == expected.dtype
+                and got.device == expected.device and torch.equal(got, expected))
+    return type(got) is type(expected) and got == expected
+
+
+def assert_same_results(pairs: dict, *, raised: str = "", differs: str = "") -> None:
+    """`pairs`: {label: (call, reference)}, calls of no argument, all made before this runs (so that the
+    objects behind them are alive at once).  Each call runs, then its reference, in order; a call that
+    raises, or returns what its reference does not (a tensor: its shape, dtype, device and values; anything
+    else: its type and ==), fails with an AssertionError that starts with the label and ends with the hint
+    (`raised` or `differs`)."""
+    for label, (call, reference) in pairs.items():
+        try:
+            got = call()
+        except Exception as error:
+            raise AssertionError(f"{label}: {getattr(call, '__name__', 'the call')}() raised {type(error).__name__}: "
+                                 f"{error}" + (f"; {raised}" if raised else "")) from None
+        expected = reference()
+        if not _same(got, expected):
+            what = (f"{_shown(got)}, expected {_shown(expected)}" if _shown(got) != _shown(expected)
+                    else f"{_shown(got)} as expected, but other values")
+            raise AssertionError(f"{label} returned {what}" + (f": {differs}" if differs else ""))
+
+
+@contextlib.contextmanager
+def globals_set(*functions, **values):
+    """`with globals_set(f, g, LIMIT=0.3):` sets each name to its value in the module namespace of each of
+    `functions` (its __globals__: a notebook's functions share one), and puts back what was there, or
+    removes a name that was not, when the block ends, however it ends."""
+    scopes = {id(f.__globals__): f.__globals__ for f in functions}
+    missing = object()
+    saved = [(scope, name, scope.get(name, missing)) for scope in scopes.values() for name in values]
+    try:
+        for scope in scopes.values():
+            scope.update(values)
+        yield
+    finally:
+        for scope, name, old in reversed(saved):
+            if old is missing:
+                scope.pop(name, None)
+            else:
+                scope[name] = old
 
 
 # -- what a test saw, for the grader to compare with the reference solution's ------------------

@@ -14,6 +14,10 @@ variables are not objects the collector knows on Python 3.11+, and this call's o
 caller always holds the object), and references from C code that the collector is not
 told about.  Each step of the search scans every object the collector tracks, so it
 stops after `max_visits` objects.
+
+Also here, for tests of stores that keep objects (caches, registries): `Lifetimes` (how many of some
+objects are still alive), `Stub` (a stand-in whose freed address the next one takes) and
+`objects_added` (what calls left alive, counted).
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import weakref
 from collections import deque
 
 
-__all__ = ["Lifetimes", "reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
+__all__ = ["Lifetimes", "Stub", "reference_paths", "direct_referrers", "forget_last_error", "link", "links",
+           "objects_added"]
 
 _MAIN = "__main__"
 _SHELL = "get_ipython()"
@@ -351,3 +356,29 @@ class Lifetimes:
             alive += sum(1 for obj in gc.get_objects() if kinds.get(id(obj)) is type(obj))
         return alive
 
+
+
+class Stub:
+    """A stand-in for a real object (a model a loader builds, a connection): it has a `name`, takes weak
+    references, and is of a size few other objects are (twenty spare slots), so that once one is freed the
+    next Stub made usually takes its address, and with it its id().  A store that finds its objects by
+    id() instead of by name hands a new Stub back for an old one's id.
+
+        Stub("m0").name     # "m0"
+    """
+    __slots__ = ("name", "__weakref__", *(f"_spare{i}" for i in range(20)))
+
+    def __init__(self, name=None):
+        self.name = name
+
+    def __repr__(self):
+        return f"Stub({self.name!r})"
+
+
+def objects_added(action, times: int = 1) -> int:
+    """How many more objects the collector tracks after `action(i)` ran for i in range(times), what each
+    returned dropped at once, than before: what the calls left alive (an entry kept for each, say)."""
+    before = len(gc.get_objects())
+    for i in range(times):
+        action(i)
+    return len(gc.get_objects()) - before

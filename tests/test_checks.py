@@ -1195,3 +1195,81 @@ def test_on_cuda_the_heap_is_compared_over_the_second_half_of_the_watched_iterat
     report = FlatReport(device=torch.device("cuda", 0), iterations=12, collector_on=0, unwatched=0,
                         growth=[0] * 12, heap_watched=6 * 1024 * 1024, heap_watched_over=6)
     assert not report.ok and "grew by 6.00 MiB over the last 6 of them (about 1.00 MiB per iteration)" in report.explain()
+
+
+# -- one property, one sentence -----------------------------------------------------------
+def test_a_view_passes_and_a_copy_is_called_one():
+    base = torch.arange(12.0)
+    checks.assert_view_of(base.view(3, 4)[:, :2], base, "wait()'s result", of="the batch")
+    with pytest.raises(AssertionError, match=r"^wait\(\)'s result is a copy: it must be a view of the batch$"):
+        checks.assert_view_of(base.clone(), base, "wait()'s result", of="the batch")
+    with pytest.raises(AssertionError, match="is list, not a tensor"):
+        checks.assert_view_of([1], base)
+
+
+def test_a_second_call_must_return_the_same_and_not_raise():
+    base = torch.arange(4.0)
+    checks.assert_same_again(lambda: base.view(2, 2), base.view(2, 2), "wait()", hint="as before")
+    with pytest.raises(AssertionError, match=r"^a second wait\(\) raised KeyError: 'gone'; it can be called again$"):
+        checks.assert_same_again(lambda: {}["gone"], base, "wait()", hint="it can be called again")
+    with pytest.raises(AssertionError, match=r"a second wait\(\) returned shape \(4,\), not what the first returned "
+                                             r"\(shape \(2, 2\)\): as before"):
+        checks.assert_same_again(lambda: base, base.view(2, 2), "wait()", hint="as before")
+
+
+def test_must_not_raise_returns_the_result_or_says_which_call_raised_and_why_it_should_not():
+    table = {1: "one"}
+    assert checks.must_not_raise(KeyError, table.get, 1) == "one"
+    assert checks.must_not_raise(KeyError, table.__getitem__, 1) == "one"
+    with pytest.raises(AssertionError, match=r"^__getitem__\(2\) raised KeyError while 2 was in use$"):
+        checks.must_not_raise(KeyError, table.__getitem__, 2, why="while 2 was in use")
+    with pytest.raises(AssertionError, match=r"^__getitem__\('x'\) raised KeyError: 'x'$"):
+        checks.must_not_raise(KeyError, table.__getitem__, "x")
+    with pytest.raises(ZeroDivisionError):          # another error goes through as it is
+        checks.must_not_raise(KeyError, lambda: 1 / 0)
+
+
+def test_assert_raises_passes_on_the_error_and_fails_with_the_message_otherwise():
+    checks.assert_raises(KeyError, {}.__getitem__, "x", message="unused")
+    with pytest.raises(AssertionError, match="^should raise$"):
+        checks.assert_raises(KeyError, {"x": 1}.__getitem__, "x", message="should raise")
+
+
+class Holder:
+    """Keeps the tensors it is given; with `pinned`, keeps them in a list of the class too while the collector is on."""
+    pinned: list = []
+
+    def __init__(self, pin=False, cycle=False):
+        self.kept, self.pin = [], pin
+        if cycle:
+            self.me = self
+
+    def take(self, tensor):
+        self.kept[:] = [tensor]                     # only the latest
+        if self.pin and gc.isenabled():
+            Holder.pinned.append(tensor)
+
+
+def _use(holder):
+    for _ in range(3):
+        holder.take(torch.zeros(256))               # 1 KiB each
+
+
+def test_frees_alike_passes_a_holder_that_keeps_one_and_frees_it(collect_after):
+    checks.assert_frees_alike(Holder, _use, most=1024, what="a holder", name="holder")
+
+
+def test_frees_alike_names_a_holder_that_keeps_more_when_the_collector_is_on(collect_after):
+    try:
+        with pytest.raises(AssertionError, match=r"^a holder, with the collector on: 3.00 KiB held; expected at "
+                                                 r"most 1.00 KiB: holder must free alike when the collector is on$"):
+            checks.assert_frees_alike(lambda: Holder(pin=True), _use, most=1024, what="a holder", name="holder")
+    finally:
+        Holder.pinned.clear()
+
+
+def test_frees_alike_names_what_is_left_after_del_with_the_collector_off(collect_after):
+    with pytest.raises(AssertionError, match=r"^a holder: after `del holder`, 1.00 KiB is still held with the "
+                                             r"collector off: something keeps holder"):
+        checks.assert_frees_alike(lambda: Holder(cycle=True), _use, most=1024, what="a holder", name="holder")
+    assert gc.isenabled()

@@ -1133,3 +1133,24 @@ def test_census_has_no_count_when_the_cuda_history_was_stopped(monkeypatch):
         gpu.record(None)                                       # the code turns CUDA's history off
         census.mark()
     assert census.held() is None and "stopped CUDA's memory history" in census.error
+
+
+# -- held_while_and_after -------------------------------------------------------------
+class _Keeper:
+    def __init__(self, cycle=False):
+        self.tensors = []
+        if cycle:
+            self.me = self
+
+
+def test_held_while_alive_and_after_the_last_reference_is_dropped():
+    from gclab.memory import held_while_and_after
+    use = lambda keeper: keeper.tensors.append(torch.zeros(256))     # noqa: E731  (1 KiB)
+    assert held_while_and_after(_Keeper, use, "cpu") == (1024, 0)
+    assert held_while_and_after(lambda: _Keeper(cycle=True), use, "cpu", collector=False) == (1024, 1024)
+    assert gc.isenabled()
+    gc.collect()                                                      # the cycle left behind
+    from gclab.gcwatch import gc_disabled
+    with gc_disabled():
+        held_while_and_after(_Keeper, use, "cpu", collector=False)
+        assert not gc.isenabled(), "a collector that was off is left off"

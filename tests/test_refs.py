@@ -160,3 +160,22 @@ def test_lifetimes_say_how_many_objects_still_live_without_keeping_them():
     assert lives.alive() == 2                      # one Weak, and the NoWeak in its cycle
     gc.collect()
     assert lives.alive() == 1
+
+
+# -- stand-ins and what calls leave alive -------------------------------------------------
+def test_a_stub_has_its_name_takes_weak_references_and_a_freed_ones_address_goes_to_the_next():
+    from gclab.refs import Stub
+    stub = Stub("m0")
+    assert stub.name == "m0" and weakref.ref(stub)() is stub and repr(stub) == "Stub('m0')"
+    reused = 0
+    for _ in range(20):
+        first = id(Stub("a"))           # freed at once
+        reused += id(Stub("b")) == first
+    assert reused >= 15, f"a freed Stub's address went to the next one {reused} times in 20"
+
+
+def test_objects_added_counts_what_the_calls_left_alive():
+    from gclab.refs import objects_added
+    kept = []
+    assert objects_added(lambda i: kept.append([i]), times=50) >= 50
+    assert objects_added(lambda i: [i], times=50) < 10          # each list dropped at once

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gclab.gcwatch import Collection, gc_disabled
-from gclab.serving import LoadResult, ModelServer, Trace, run_load, schedule, serve_inline
+from gclab.serving import LoadResult, ModelServer, Trace, assert_served, run_load, schedule, serve_inline
 
 pytestmark = pytest.mark.timed     # run alone by `make test`: it times a server
 
@@ -697,6 +697,50 @@ def test_a_program_that_does_the_same_watched_or_not_is_not_told_anything(every)
     run = serve_inline(handle, list(range(400)), pause_budget=1.0)
     assert run.full_inside_unwatched is not None and not run.differs_unwatched()
     assert run.full_inside >= (400 // every if every else 0)
+
+
+def test_assert_served_passes_a_program_that_leaves_collecting_to_the_collector():
+    run = serve_inline(_cycles, list(range(200)), pause_budget=1.0)
+    assert_served(run, pause_budget=1.0, garbage="the requests' cycles")
+
+
+def test_assert_served_names_the_first_rule_a_run_breaks():
+    def raises(request):
+        raise ValueError(f"bad {request}")
+    with pytest.raises(AssertionError, match=r"^3 of 3 requests raised an error, the first ValueError: bad 0$"):
+        assert_served(serve_inline(raises, range(3)), pause_budget=1.0)
+
+    def collects(request):
+        _cycles(request)
+        if request == 5:
+            gc.collect()
+        return request
+    with pytest.raises(AssertionError, match=r"^collector pauses over budget: P99"):
+        assert_served(serve_inline(collects, range(100)), pause_budget=0.0)
+    with pytest.raises(AssertionError, match=r"^the program itself started 1 full collection\(s\) inside the requests"):
+        assert_served(serve_inline(collects, range(100)), pause_budget=1.0)
+
+    def freezes(request):
+        gc.freeze()
+        return request
+    try:
+        with pytest.raises(AssertionError, match=r"objects while it served \(gc.freeze\(\)\): the cycles among them"):
+            assert_served(serve_inline(freezes, range(2)), pause_budget=1.0, garbage="the cycles")
+    finally:
+        gc.unfreeze()
+    with gc_disabled():
+        off = serve_inline(_cycles, range(50))
+        with pytest.raises(AssertionError, match=r"^the collector is off after serving; the collector left 100% of "
+                                                 r"the cycles unfreed \(at most 50%\): it must stay on"):
+            assert_served(off, pause_budget=1.0, garbage="the cycles")
+    with pytest.raises(AssertionError, match=r"^the collector left 100% of the cycles unfreed \(at most 50%\)"):
+        assert_served(off, pause_budget=1.0, garbage="the cycles")
+
+
+def test_a_full_collection_is_priced_with_a_heap_added_while_it_runs():
+    from gclab.serving import full_collection_cpu
+    bare, heavy = full_collection_cpu(), full_collection_cpu(heap_objects=200_000)
+    assert 0 < bare < heavy
 
 
 def test_without_a_pause_budget_the_requests_are_served_once():

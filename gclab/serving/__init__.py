@@ -14,12 +14,13 @@ One idea per module, each saying what it measures and what it cannot see:
 - `load`       the load generator process: an open-loop schedule of requests, with the collector off
 - `trace`      what the server recorded, read from the notebook (`Trace`, `ServedCollection`)
 - `runs`       the notebook's side: `ModelServer`, `run_load`, `measure`, `compare`, `spread`
-- `inline`     serving in this process, one request after another (`serve_inline`)
+- `inline`     serving in this process, one request after another (`serve_inline`), and the rules a
+               served run is held to (`assert_served`)
 - `processes`  how servers and loads are started (`python -m gclab.serving`, forked from a zygote)
 
 Lessons import the names below from `gclab.serving` itself.
 """
-from .inline import InlineRun, _full_collections, _full_collections_unwatched, serve_inline
+from .inline import InlineRun, _full_collections, _full_collections_unwatched, assert_served, serve_inline
 from .load import LoadResult, load_main, schedule
 from .processes import _ZYGOTE, _python_module, _spawn, _zygote, forked, main, main_parser, preload, prestart
 from .runs import ModelServer, ServedRun, compare, load_rows, measure, run_load, spread
@@ -29,5 +30,5 @@ from .server import (ATTRIBUTION, HEAP_OBJECTS, HOOKS, READY, Explanation, Model
 from .trace import ServedCollection, Trace
 
 __all__ = ["ModelServer", "LoadResult", "Trace", "ServedRun", "ServedCollection", "measure", "compare", "spread",
-           "run_load", "schedule", "InlineRun", "serve_inline", "full_collection_cpu",
+           "run_load", "schedule", "InlineRun", "serve_inline", "assert_served", "full_collection_cpu",
            "long_lived_heap", "prestart"]

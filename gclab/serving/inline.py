@@ -114,6 +114,36 @@ class InlineRun:
                 "watched: a program must do the same whether or not it is measured")
 
 
+def assert_served(run: InlineRun, pause_budget: float, garbage: str = "the cyclic garbage",
+                  garbage_left_at_most: float = 0.5) -> None:
+    """A served run (`serve_inline`) held to what a GC policy must do, or an AssertionError that names the
+    first rule it broke, what was measured and the limit: every request answered without raising; the P99
+    of the collector's CPU time inside a request at most `pause_budget` (CPU seconds); the same number of
+    full collections unwatched as watched (`InlineRun.differs_unwatched`); no full collection the program
+    started itself inside a request (gc.collect()); nothing frozen while serving (gc.freeze()); the
+    automatic collector on at the end, and at most `garbage_left_at_most` of the run's cyclic garbage
+    (`garbage`, as the message names it) left unfreed."""
+    raised = [result for result in run.results if isinstance(result, Exception)]
+    assert not raised, (f"{len(raised)} of {len(run.results)} requests raised an error, the first "
+                        f"{type(raised[0]).__name__}: {raised[0]}" if raised else "")
+    assert run.pause_p99() <= pause_budget, (
+        f"collector pauses over budget: P99 {run.pause_p99() * 1e3:.2f} ms of collector CPU inside a request, "
+        f"budget {pause_budget * 1e3:.2f} ms")
+    assert not run.differs_unwatched(), run.differs_unwatched()
+    assert not run.explicit_full_inside(), (
+        f"the program itself started {run.explicit_full_inside()} full collection(s) inside the requests "
+        "(gc.collect()): however rarely, a collection the program calls in a request is the band-aid, not the fix; "
+        "leave collecting to the collector")
+    assert run.frozen <= 0, (
+        f"the program froze {run.frozen:,} objects while it served (gc.freeze()): {garbage} among them is never "
+        "collected, and no count of the garbage left sees it. Freeze once, before serving, if at all")
+    assert gc.isenabled() and run.garbage_left() <= garbage_left_at_most, (
+        ("" if gc.isenabled() else "the collector is off after serving; ")
+        + f"the collector left {run.garbage_left():.0%} of {garbage} unfreed (at most {garbage_left_at_most:.0%}): "
+        "it must stay on and keep collecting, and its collections must reach the older generations, where "
+        "long-lived garbage has usually moved by the time it is let go")
+
+
 def serve_inline(handle, requests, pause_budget: float | None = None, unwatched_requests=None,
                  thread_time=time.thread_time, clock=time.perf_counter) -> InlineRun:
     """Call `handle(request)` for each of `requests` in turn, recording when each ran, the CPU it
