@@ -112,6 +112,10 @@ def test_cpu_time_counts_every_thread_of_a_process_the_ended_ones_included():
     try:
         claimed = int(proc.stdout.readline())
         pid = proc.pid
+        for _ in range(500):                # join() returns before the system has let the thread go
+            if len(os.listdir(f"/proc/{pid}/task")) == 1:
+                break
+            time.sleep(0.01)
         now = procfs.cpu_ns([pid])
         live = procfs._threads_ns(pid)
         assert now >= claimed > live + 50_000_000       # the ended thread's work is in the count
