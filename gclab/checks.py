@@ -15,15 +15,16 @@ import torch
 
 from .flat_check import (UNWATCHED_AT_LEAST, FlatReport, _heap_read_from, _kept_as_data,  # noqa: F401
                          assert_flat, assert_graphs_do_not_grow, run_flat_check)
-from .observed import (OBSERVED_VALUES_LIMIT, Comparison, assert_matches, compare, observations,  # noqa: F401
-                       observe, plain)
+from .observed import (OBSERVED_VALUES_LIMIT, Comparison, assert_cases, assert_fields, assert_matches,  # noqa: F401
+                       assert_same_results, compare, observations, observe, plain, returned)
 from .policy_check import (GARBAGE_FRACTION, LOAD_BURST, LOAD_LULL, MIN_IDLE_MOMENTS, PAUSE_BUDGET,  # noqa: F401
                            PolicyReport, assert_policy, run_policy_check)
 
 
 __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare",
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
-           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call"]
+           "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call", "assert_fields",
+           "assert_cases", "assert_same_results", "returned"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
 # notebook's locked set-up cell imports it before any student code runs); read-only, so that

@@ -27,7 +27,8 @@ import weakref
 from collections import deque
 
 
-__all__ = ["Lifetimes", "reference_paths", "direct_referrers", "forget_last_error", "link", "links"]
+__all__ = ["Lifetimes", "reference_paths", "direct_referrers", "forget_last_error", "link", "links", "weak",
+           "reuse_address", "assert_is"]
 
 _MAIN = "__main__"
 _SHELL = "get_ipython()"
@@ -351,3 +352,45 @@ class Lifetimes:
             alive += sum(1 for obj in gc.get_objects() if kinds.get(id(obj)) is type(obj))
         return alive
 
+
+
+# -- an object found again: by its own link, or by a name or an address a newcomer can take over ----------
+def weak(obj):
+    """A weak reference to `obj` (call it: `obj`, or None once it is freed); for an object that takes no
+    weak reference, a function that returns None (nothing can tell whether it is still alive)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: None
+
+
+def reuse_address(address: int, make, limit: int = 2000) -> list:
+    """New objects, `make()` after `make()`, until one of them has the `id()` `address` (of an object
+    freed just before) or `limit` were made; all of them, kept alive while the caller holds the list.
+
+    CPython hands a freed object's address to the next object of its size, so code that finds an
+    object again by `id()` (or by a name, through a registry) can be shown to return a newcomer in its
+    place: keep the list while reading what the code returns."""
+    made = []
+    while len(made) < limit:
+        made.append(make())
+        if id(made[-1]) == address:
+            break
+    return made
+
+
+def assert_is(got, expected, what: str, hint: str = "") -> None:
+    """`got is expected`, or an AssertionError that says `what` is not it, and why when the cause is
+    one that `is` hides: a `weakref.proxy` of `expected` (another object, though it answers like it)."""
+    if got is expected:
+        return
+    if isinstance(got, weakref.ProxyTypes):
+        try:
+            same = any(ref is got for ref in weakref.getweakrefs(expected))
+        except TypeError:
+            same = False
+        kind = "a weakref.proxy of the object it should be" if same else "a weakref.proxy"
+        raise AssertionError(f"{what} is {kind}, not the object itself: a proxy is another object, so `is` says "
+                             "no. Keep a weakref.ref and make the attribute a property that calls it and returns "
+                             "the object")
+    raise AssertionError(f"{what} is not the object it should be" + (f": {hint}" if hint else ""))
