@@ -160,3 +160,36 @@ def test_lifetimes_say_how_many_objects_still_live_without_keeping_them():
     assert lives.alive() == 2                      # one Weak, and the NoWeak in its cycle
     gc.collect()
     assert lives.alive() == 1
+
+
+# -- weak, reuse_address, assert_is ----------------------------------------------------------
+def test_weak_refers_weakly_or_returns_none():
+    from gclab.refs import weak
+    thing = Thing()
+    ref = weak(thing)
+    assert ref() is thing
+    del thing
+    assert ref() is None
+    assert weak(3)() is None                      # an int takes no weak reference
+
+
+def test_reuse_address_makes_objects_until_one_takes_the_address():
+    from gclab.refs import reuse_address
+    thing = Thing()
+    address = id(thing)
+    del thing
+    made = reuse_address(address, Thing)
+    assert id(made[-1]) == address and len(made) <= 2000
+    assert len(reuse_address(-1, Thing, limit=5)) == 5
+
+
+def test_assert_is_says_what_a_proxy_hides():
+    from gclab.refs import assert_is
+    thing, other = Thing(), Thing()
+    assert_is(thing, thing, "it")
+    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy of the object it should be, not the object"):
+        assert_is(weakref.proxy(thing), thing, "its parent")
+    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy, not"):
+        assert_is(weakref.proxy(other), thing, "its parent")
+    with pytest.raises(AssertionError, match="^its parent is not the object it should be: keep its own$"):
+        assert_is(other, thing, "its parent", "keep its own")
