@@ -564,33 +564,38 @@ def assert_keeps_nothing(make, what: str, outside: str = "what it was made from"
         kept = None
         gc.collect()                          # what the object held goes now, cycles included
         held_without_it = meter.growth()      # so this is what something else holds
+    article, _, rest = what.partition(" ")
+    the = f"the {rest}" if article in ("a", "an") and rest else what
     assert held == 0, (
         f"{what} holds {format_bytes(held)} of tensors with the collector off" if not held_without_it else
         f"{format_bytes(held)} was held while {what} was kept, {format_bytes(held_without_it)} of it even once it "
-        f"was deleted: something outside it keeps {outside}"
-        + (", and it refers to the rest itself" if held_without_it < held else ""))
+        f"was deleted: something outside {the} keeps {outside}"
+        + (f", and {the} refers to the rest itself" if held_without_it < held else ""))
 
 
 @dataclass
 class CutOff:
     """What `cut_off` measured: bytes held before the cut and after it, how many of the objects cut off
     (`count`) were still alive after it, the collections that ran (a summary, "" when none), and `why`:
-    what keeps what was cut off, if anything."""
+    what keeps what was cut off, if anything (`in_cycles`: only reference cycles among them, which a
+    collection frees)."""
     held: int
     left: int
     alive: int
     count: int
     collections: str
     why: str = ""
+    in_cycles: bool = False
 
 
-def cut_off(make, doomed, cut=None, device=None) -> CutOff:
+def cut_off(make, doomed, cut=None, device=None, what: str = "it", holder: str = "kept") -> CutOff:
     """With the collector off and a Meter running: `kept = make()`, then `doomed(kept)` (the objects the
     cut must free, at once), then `cut(kept)` (None: `kept` itself is dropped).  Keeps none of `doomed`'s
     objects.  When one of them, or a tensor one of them held, is still alive after the cut, a collection
     runs and `why` says whether it freed them (they were in reference cycles) or what still refers to
-    them (`gclab.refs.reference_paths`); when none is, `why` says so.  It collects first: what earlier code
-    left in cycles is not counted."""
+    them: paths from the globals (`gclab.refs.reference_paths`) and, while `kept` is kept, from `kept`
+    (named `holder`); `what` names what was cut off ("the cut branch").  When none is, `why` says so.
+    It collects first: what earlier code left in cycles is not counted."""
     gc.collect()
     with gc_disabled(), Meter(device) as meter, GCWatch() as watch:
         kept = make()
@@ -606,10 +611,11 @@ def cut_off(make, doomed, cut=None, device=None) -> CutOff:
             cut(kept)
         left, alive = meter.growth(), lives.alive()
         collections = watch.summary() if watch.collections else ""
-        why = (_why_survived(weak) if alive or any(ref() is not None for ref in weak) else
-               "none of what was cut off, nor a tensor it held, is still alive")
+        why, in_cycles = f"none of {what}, nor a tensor it held, is still alive", False
+        if alive or any(ref() is not None for ref in weak):
+            why, in_cycles = _why_survived(weak, what, kept, holder, meter.device)
         kept = None
-    return CutOff(held, left, alive, lives.count, collections, why)
+    return CutOff(held, left, alive, lives.count, collections, why, in_cycles)
 
 
 def _weak_or_none(obj):
@@ -626,12 +632,16 @@ def _direct_tensors(obj) -> list:
     return [r for r in referents if isinstance(r, torch.Tensor)]
 
 
-def _why_survived(weak: list) -> str:
+def _why_survived(weak: list, what: str, kept, holder: str, device) -> tuple[str, bool]:
     gc.collect()                              # a cycle is freed now; what something else refers to is not
     survivor = next((ref() for ref in weak if ref() is not None), None)
     if survivor is None:
-        return ("a collection frees it: it is still in reference cycles (with one another, or each with itself), "
-                "which only a collection frees")
+        return (f"a collection frees {what}: it is still in reference cycles (with one another, or each with "
+                "itself), which only a collection frees"), True
     where = reference_paths(survivor)
-    return ("a collection does not free it either: something else still refers to it"
-            + (f" ({'; '.join(where[:3])})" if where else ""))
+    storage = device_storage(survivor, device) if isinstance(survivor, torch.Tensor) and kept is not None else None
+    if storage is not None:
+        found = _walk(kept, holder, names=True, device=device).get(storage[0])
+        where += [f"{found[1].entry}{found[1].root}"] if found is not None else []
+    return (f"a collection does not free {what} either: something else still refers to {what}"
+            + (f" ({'; '.join(where[:3])})" if where else "")), False

@@ -379,9 +379,10 @@ def reuse_address(address: int, make, limit: int = 2000) -> list:
     return made
 
 
-def assert_is(got, expected, what: str, hint: str = "") -> None:
-    """`got is expected`, or an AssertionError that says `what` is not it, and why when the cause is
-    one that `is` hides: a `weakref.proxy` of `expected` (another object, though it answers like it)."""
+def assert_is(got, expected, what: str, hint: str = "", name: str = "the expected object") -> None:
+    """`got is expected`, or an AssertionError that says `what` is not `name` (what `expected` is), and why
+    when the cause is one that `is` hides: a `weakref.proxy` of `expected` (another object, though it
+    answers like it)."""
     if got is expected:
         return
     if isinstance(got, weakref.ProxyTypes):
@@ -389,8 +390,7 @@ def assert_is(got, expected, what: str, hint: str = "") -> None:
             same = any(ref is got for ref in weakref.getweakrefs(expected))
         except TypeError:
             same = False
-        kind = "a weakref.proxy of the object it should be" if same else "a weakref.proxy"
-        raise AssertionError(f"{what} is {kind}, not the object itself: a proxy is another object, so `is` says "
-                             "no. Keep a weakref.ref and make the attribute a property that calls it and returns "
-                             "the object")
-    raise AssertionError(f"{what} is not the object it should be" + (f": {hint}" if hint else ""))
+        raise AssertionError(f"{what} is a weakref.proxy{' of ' + name if same else ''}, not {name}: a proxy "
+                             "is another object, so `is` says no. Keep a weakref.ref and make the attribute a property "
+                             "that calls it and returns the object")
+    raise AssertionError(f"{what} is not {name}" + (f": {hint}" if hint else ""))

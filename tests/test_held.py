@@ -178,11 +178,13 @@ def test_assert_keeps_nothing_says_who_holds_the_bytes():
     def kept_elsewhere():
         _KEPT_ELSEWHERE.append(torch.ones(256))
         return {"t": torch.ones(256)}
-    with pytest.raises(AssertionError, match=r"^2.00 KiB was held while a report was kept, 1.00 KiB of it even once it "
-                                             r"was deleted: something outside it keeps its batch, and it refers to the "
-                                             r"rest itself$"):
-        assert_keeps_nothing(kept_elsewhere, "a report", outside="its batch", device="cpu")
-    _KEPT_ELSEWHERE.clear()
+    try:
+        with pytest.raises(AssertionError, match=r"^2.00 KiB was held while a report was kept, 1.00 KiB of it even once "
+                                                 r"it was deleted: something outside the report keeps its batch, and "
+                                                 r"the report refers to the rest itself$"):
+            assert_keeps_nothing(kept_elsewhere, "a report", outside="its batch", device="cpu")
+    finally:
+        _KEPT_ELSEWHERE.clear()
 
 
 def _nodes(node):
@@ -203,19 +205,37 @@ def test_cut_off_measures_a_structure_that_frees_itself():
     assert (freed.held, freed.left, freed.alive, freed.count, freed.collections) == (3072, 0, 0, 3, "")
     pruned = cut_off(_tree, lambda root: _nodes(root.children[0]), cut=drop_first, device="cpu")
     assert (pruned.held, pruned.left, pruned.alive, pruned.count) == (3072, 2048, 0, 1)
-    assert pruned.why == "none of what was cut off, nor a tensor it held, is still alive"
+    assert pruned.why == "none of it, nor a tensor it held, is still alive" and not pruned.in_cycles
 
 
 def test_cut_off_says_a_cycle_or_what_refers_to_what_was_cut_off():
-    cyclic = cut_off(lambda: _tree(weak=False), _nodes, device="cpu")     # children refer back to their parent
-    assert (cyclic.left, cyclic.alive) == (3072, 3) and "a collection frees it: it is still in reference cycles" in cyclic.why
+    cyclic = cut_off(lambda: _tree(weak=False), _nodes, device="cpu", what="the tree")  # children refer to the parent
+    assert (cyclic.left, cyclic.alive, cyclic.in_cycles) == (3072, 3, True)
+    assert cyclic.why.startswith("a collection frees the tree: it is still in reference cycles")
 
     def registered():
         root = _tree()
         _KEPT_ELSEWHERE.append(root.children[1].tensor)
         return root
-    kept = cut_off(registered, _nodes, device="cpu")
-    _KEPT_ELSEWHERE.clear()
-    assert (kept.left, kept.alive) == (1024, 0)
-    assert kept.why == ("a collection does not free it either: something else still refers to it "
+    try:
+        kept = cut_off(registered, _nodes, device="cpu", what="the tree")
+    finally:
+        _KEPT_ELSEWHERE.clear()
+    assert (kept.left, kept.alive, kept.in_cycles) == (1024, 0, False)
+    assert kept.why == ("a collection does not free the tree either: something else still refers to the tree "
                         "(test_held._KEPT_ELSEWHERE[0])")
+
+
+def test_cut_off_names_the_path_from_what_it_keeps():
+    def every_node_listed():
+        root = _tree()
+        root.every_node = _nodes(root)
+        return root
+
+    def drop_first(root):
+        del root.children[0]
+    pruned = cut_off(every_node_listed, lambda root: _nodes(root.children[0]), cut=drop_first, device="cpu",
+                     what="the cut branch", holder="root")
+    assert (pruned.left, pruned.alive) == (3072, 1)
+    assert pruned.why == ("a collection does not free the cut branch either: something else still refers to the cut "
+                          "branch (root.every_node[1].tensor)")

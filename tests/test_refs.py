@@ -187,9 +187,9 @@ def test_assert_is_says_what_a_proxy_hides():
     from gclab.refs import assert_is
     thing, other = Thing(), Thing()
     assert_is(thing, thing, "it")
-    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy of the object it should be, not the object"):
-        assert_is(weakref.proxy(thing), thing, "its parent")
-    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy, not"):
+    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy of the node, not the node: a proxy is"):
+        assert_is(weakref.proxy(thing), thing, "its parent", name="the node")
+    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy, not the expected object: a proxy is"):
         assert_is(weakref.proxy(other), thing, "its parent")
-    with pytest.raises(AssertionError, match="^its parent is not the object it should be: keep its own$"):
+    with pytest.raises(AssertionError, match="^its parent is not the expected object: keep its own$"):
         assert_is(other, thing, "its parent", "keep its own")
