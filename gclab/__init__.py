@@ -2,7 +2,8 @@
 
 The learner's instruments, which lessons and hidden tests import (short modules a learner may read):
 `memory` (the tensor-memory Meter), `gcwatch` (collections seen through gc.callbacks), `plots`
-(timelines), `checks` (self-checks and hidden-test helpers: `flat_check`, `policy_check`, `observed`), `refs` (who holds an object), `held`
+(timelines), `checks` (self-checks and hidden-test helpers: `flat_check`, `policy_check`, `observed`), `probes`
+(a function swapped for one that notes its calls, a maker that notes the collector), `refs` (who holds an object), `held`
 (which attribute of an object keeps the bytes), `graphs` (object graphs drawn offline), `cycles` (the
 tensor-cycle detector: what a collection finds), `serving` (a model server, an open-loop load generator, and requests served in
 this process with the collector's CPU time charged to each), `widgets` (controls that redraw a

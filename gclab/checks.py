@@ -18,9 +18,10 @@ import torch
 from .flat_check import (UNWATCHED_AT_LEAST, FlatReport, _heap_read_from, _kept_as_data,  # noqa: F401
                          assert_flat, assert_graphs_do_not_grow, run_flat_check)
 from .memory import format_bytes, held_while_and_after
-from .observed import (OBSERVED_VALUES_LIMIT, Comparison, _same, _shown, assert_matches,  # noqa: F401
-                       assert_numbers, assert_same_results, compare, error_line, globals_set, observations, observe,
-                       plain, side_by_side)
+from .observed import (OBSERVED_VALUES_LIMIT, Comparison, _same, _shown, assert_cases,  # noqa: F401
+                       assert_fields, assert_functions_agree, assert_matches, assert_numbers,
+                       assert_same_results, compare, error_line, globals_set, observations, observe,
+                       plain, returned, side_by_side)
 from .policy_check import (GARBAGE_FRACTION, LOAD_BURST, LOAD_LULL, MIN_IDLE_MOMENTS, PAUSE_BUDGET,  # noqa: F401
                            PolicyReport, assert_policy, run_policy_check)
 
@@ -29,7 +30,8 @@ __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
            "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call", "assert_numbers",
            "error_line", "side_by_side", "assert_same_results", "globals_set", "assert_view_of", "assert_same_again",
-           "must_not_raise", "assert_raises", "assert_frees_alike"]
+           "must_not_raise", "assert_raises", "assert_frees_alike", "assert_fields", "assert_cases",
+           "assert_functions_agree", "returned"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
 # notebook's locked set-up cell imports it before any student code runs); read-only, so that
@@ -218,4 +220,5 @@ _OWN = types.MappingProxyType({name: globals()[name] for name in
                                 "integrity_problems", "assert_untampered", "run_policy_check", "assert_policy",
                                 "sealed_call", "assert_numbers", "error_line", "side_by_side",
                                 "assert_same_results", "globals_set", "assert_view_of", "assert_same_again",
-                                "must_not_raise", "assert_raises", "assert_frees_alike")})
+                                "must_not_raise", "assert_raises", "assert_frees_alike", "assert_fields",
+                                "assert_cases", "assert_functions_agree", "returned")})

@@ -33,7 +33,17 @@ from .memory import device_storage, format_bytes
 __all__ = ["GraphNode", "GraphEdge", "ObjectGraph", "backref_graph", "ref_graph", "program_objects",
            "reference_label", "describe_object", "garbage_by_type", "draw_graph", "render_png", "show_graph",
            "dot_available", "DOT_MISSING", "CycleReport", "TensorCycles", "watch_tensor_cycles",
-           "find_tensor_cycles", "is_tensor", "instance_attributes", "DETECTOR_COST"]
+           "find_tensor_cycles", "is_tensor", "instance_attributes", "DETECTOR_COST", "assert_no_garbage"]
+
+
+def assert_no_garbage(hint: str = "") -> None:
+    """A full collection now finds nothing in reference cycles (`garbage_by_type`); or an AssertionError
+    that says how many objects it found, of which types, and `hint` (what may still refer to itself).
+    Call it after a check, never inside one: it collects."""
+    found = garbage_by_type()
+    assert not found, (f"a collection afterwards still found {sum(found.values())} objects in cycles ("
+                       + ", ".join(f"{n} {name}" for name, n in found.most_common(4)) + ")"
+                       + (f": {hint}" if hint else ""))
 
 
 # -- the tensor-cycle detector ---------------------------------------------------------

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from .cycles import instance_attributes
-from .memory import device_storage, format_bytes, storage_entry
+from .gcwatch import GCWatch, gc_disabled
+from .memory import Meter, device_storage, format_bytes, storage_entry
+from .refs import Lifetimes, reference_paths
 
-__all__ = ["GraphCensus", "HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen", "graphs_held",
-           "tensors_held"]
+__all__ = ["CutOff", "GraphCensus", "HeldBytes", "HeldReport", "Holding", "StorageCensus", "Unfrozen",
+           "assert_keeps_nothing", "cut_off", "graphs_held", "tensors_held"]
 
 # torch's C-level weak references to a storage: they keep no Python object alive
 _expired, _free_weak_ref = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
@@ -548,3 +550,98 @@ def _name_of(holder) -> str:
     if paths and all(part.isidentifier() for part in paths[0].split(".")):
         return paths[0]
     return f"the {type(holder).__name__}"
+
+
+# -- what is dropped must go at once, with the collector off ---------------------------------------
+def assert_keeps_nothing(make, what: str, outside: str = "what it was made from", device=None) -> None:
+    """What `make()` returns, kept, holds no tensor memory with the collector off; or an AssertionError
+    that says how much it holds and whether something outside it holds (part of) that: what is still
+    held once it is deleted and a collection has run.  `what` names the object ("a kept scaler"),
+    `outside` what the rest of the program may keep of it ("its batch (a default argument, a global)")."""
+    with gc_disabled(), Meter(device) as meter:
+        kept = make()
+        held = meter.growth()
+        kept = None
+        gc.collect()                          # what the object held goes now, cycles included
+        held_without_it = meter.growth()      # so this is what something else holds
+    article, _, rest = what.partition(" ")
+    the = f"the {rest}" if article in ("a", "an") and rest else what
+    assert held == 0, (
+        f"{what} holds {format_bytes(held)} of tensors with the collector off" if not held_without_it else
+        f"{format_bytes(held)} was held while {what} was kept, {format_bytes(held_without_it)} of it even once it "
+        f"was deleted: something outside {the} keeps {outside}"
+        + (f", and {the} refers to the rest itself" if held_without_it < held else ""))
+
+
+@dataclass
+class CutOff:
+    """What `cut_off` measured: bytes held before the cut and after it, how many of the objects cut off
+    (`count`) were still alive after it, the collections that ran (a summary, "" when none), and `why`:
+    what keeps what was cut off, if anything (`in_cycles`: only reference cycles among them, which a
+    collection frees)."""
+    held: int
+    left: int
+    alive: int
+    count: int
+    collections: str
+    why: str = ""
+    in_cycles: bool = False
+
+
+def cut_off(make, doomed, cut=None, device=None, what: str = "it", holder: str = "kept") -> CutOff:
+    """With the collector off and a Meter running: `kept = make()`, then `doomed(kept)` (the objects the
+    cut must free, at once), then `cut(kept)` (None: `kept` itself is dropped).  Keeps none of `doomed`'s
+    objects.  When one of them, or a tensor one of them held, is still alive after the cut, a collection
+    runs and `why` says whether it freed them (they were in reference cycles) or what still refers to
+    them: paths from the globals (`gclab.refs.reference_paths`) and, while `kept` is kept, from `kept`
+    (named `holder`); `what` names what was cut off ("the cut branch").  When none is, `why` says so.
+    It collects first: what earlier code left in cycles is not counted."""
+    gc.collect()
+    with gc_disabled(), Meter(device) as meter, GCWatch() as watch:
+        kept = make()
+        held = meter.growth()
+        parts = list(doomed(kept))
+        lives = Lifetimes(parts)
+        weak = [weakref.ref(t) for part in parts for t in _direct_tensors(part)]
+        weak += [ref for ref in map(_weak_or_none, parts) if ref is not None]
+        parts = None
+        if cut is None:
+            kept = None
+        else:
+            cut(kept)
+        left, alive = meter.growth(), lives.alive()
+        collections = watch.summary() if watch.collections else ""
+        why, in_cycles = f"none of {what}, nor a tensor it held, is still alive", False
+        if alive or any(ref() is not None for ref in weak):
+            why, in_cycles = _why_survived(weak, what, kept, holder, meter.device)
+        kept = None
+    return CutOff(held, left, alive, lives.count, collections, why, in_cycles)
+
+
+def _weak_or_none(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+def _direct_tensors(obj) -> list:
+    """The tensors `obj` refers to itself (in its slots or its __dict__)."""
+    referents = gc.get_referents(obj)
+    referents += gc.get_referents(*[r for r in referents if type(r) is dict])
+    return [r for r in referents if isinstance(r, torch.Tensor)]
+
+
+def _why_survived(weak: list, what: str, kept, holder: str, device) -> tuple[str, bool]:
+    gc.collect()                              # a cycle is freed now; what something else refers to is not
+    survivor = next((ref() for ref in weak if ref() is not None), None)
+    if survivor is None:
+        return (f"a collection frees {what}: it is still in reference cycles (with one another, or each with "
+                "itself), which only a collection frees"), True
+    where = reference_paths(survivor)
+    storage = device_storage(survivor, device) if isinstance(survivor, torch.Tensor) and kept is not None else None
+    if storage is not None:
+        found = _walk(kept, holder, names=True, device=device).get(storage[0])
+        where += [f"{found[1].entry}{found[1].root}"] if found is not None else []
+    return (f"a collection does not free {what} either: something else still refers to {what}"
+            + (f" ({'; '.join(where[:3])})" if where else "")), False

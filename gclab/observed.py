@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Comparison", "compare", "assert_matches", "plain", "observe", "observations", "OBSERVED_VALUES_LIMIT",
-           "assert_numbers", "error_line", "side_by_side", "assert_same_results", "globals_set"]
+           "assert_numbers", "error_line", "side_by_side", "assert_same_results", "globals_set",
+           "assert_fields", "assert_cases", "assert_functions_agree", "returned"]
 
 
 # -- results equal the reference -----------------------------------------------------
@@ -198,6 +199,48 @@ def globals_set(*functions, **values):
                 scope.pop(name, None)
             else:
                 scope[name] = old
+
+
+def assert_fields(name: str, got: dict, expected: dict, why: dict | None = None, **tolerances) -> None:
+    """`got[key]` matches `expected[key]` for every key of `expected` (as `assert_matches` compares); the
+    message of a mismatch adds, for each key that differs, `why[key]` (what the values behind it show)."""
+    keys = list(expected)
+    assert isinstance(got, dict) and set(keys) <= set(got), f"{name}: expected a dict with keys {keys}; got {got!r}"
+    observe(name, [got[key] for key in keys])
+    differ = [key for key in keys if not compare(key, got[key], expected[key], **tolerances).ok]
+    assert not differ, (f"{name}: {len(differ)} of {len(keys)} differ from what was expected: " + "; ".join(
+        f"{key}: got {got[key]!r}, expected {expected[key]!r}" + (f" ({why[key]})" if why and why.get(key) else "")
+        for key in differ))
+
+
+def assert_cases(name: str, function, cases, keys, rule: str = "") -> None:
+    """For each `(given, expected, what)` of `cases`: `function(given)` returns a dict whose `keys`, read
+    as bools, are `expected`.  A failure names `what` the case shows, `given`, and the `rule` it breaks."""
+    for given, expected, what in cases:
+        said = function(given)
+        assert isinstance(said, dict) and set(keys) <= set(said), (
+            f"{name} should return a dict with keys {list(keys)}; for {given!r} it returned {said!r}")
+        assert_matches(f"{name} when {what} ({given!r})" + (f": {rule}" if rule else ""),
+                       [bool(said[key]) for key in keys], [bool(e) for e in expected])
+
+
+def assert_functions_agree(functions: dict, got_inputs, expected_inputs, of: str = "every input", **tolerances) -> None:
+    """For each `name: function` of `functions`, `function` gives on `got_inputs` what it gives on
+    `expected_inputs` (the reference's), compared as `assert_matches` does."""
+    got_inputs, expected_inputs = list(got_inputs), list(expected_inputs)
+    for name, function in functions.items():
+        assert_matches(f"{name} of {of}", [function(x) for x in got_inputs], [function(x) for x in expected_inputs],
+                       **tolerances)
+
+
+def returned(call, what: str, hint: str = ""):
+    """`call()`'s result; an exception it raises becomes an AssertionError that says `what` raised what
+    (its traceback dropped: it points into the check), and `hint`, what should have happened."""
+    try:
+        return call()
+    except Exception as error:
+        message = f"{what} raised {type(error).__name__}: {error}" + (f". {hint}" if hint else "")
+    raise AssertionError(message)
 
 
 # -- what a test saw, for the grader to compare with the reference solution's ------------------

@@ -32,7 +32,7 @@ from collections import deque
 
 
 __all__ = ["Lifetimes", "Stub", "reference_paths", "direct_referrers", "forget_last_error", "link", "links",
-           "objects_added"]
+           "objects_added", "weak", "reuse_address", "assert_is"]
 
 _MAIN = "__main__"
 _SHELL = "get_ipython()"
@@ -382,3 +382,45 @@ def objects_added(action, times: int = 1) -> int:
     for i in range(times):
         action(i)
     return len(gc.get_objects()) - before
+
+
+# -- an object found again: by its own link, or by a name or an address a newcomer can take over ----------
+def weak(obj):
+    """A weak reference to `obj` (call it: `obj`, or None once it is freed); for an object that takes no
+    weak reference, a function that returns None (nothing can tell whether it is still alive)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: None
+
+
+def reuse_address(address: int, make, limit: int = 2000) -> list:
+    """New objects, `make()` after `make()`, until one of them has the `id()` `address` (of an object
+    freed just before) or `limit` were made; all of them, kept alive while the caller holds the list.
+
+    CPython hands a freed object's address to the next object of its size, so code that finds an
+    object again by `id()` (or by a name, through a registry) can be shown to return a newcomer in its
+    place: keep the list while reading what the code returns."""
+    made = []
+    while len(made) < limit:
+        made.append(make())
+        if id(made[-1]) == address:
+            break
+    return made
+
+
+def assert_is(got, expected, what: str, hint: str = "", name: str = "the expected object") -> None:
+    """`got is expected`, or an AssertionError that says `what` is not `name` (what `expected` is), and why
+    when the cause is one that `is` hides: a `weakref.proxy` of `expected` (another object, though it
+    answers like it)."""
+    if got is expected:
+        return
+    if isinstance(got, weakref.ProxyTypes):
+        try:
+            same = any(ref is got for ref in weakref.getweakrefs(expected))
+        except TypeError:
+            same = False
+        raise AssertionError(f"{what} is a weakref.proxy{' of ' + name if same else ''}, not {name}: a proxy "
+                             "is another object, so `is` says no. Keep a weakref.ref and make the attribute a property "
+                             "that calls it and returns the object")
+    raise AssertionError(f"{what} is not {name}" + (f": {hint}" if hint else ""))

@@ -243,3 +243,24 @@ def test_an_instance_dict_is_folded_into_its_instance_as_on_every_python_version
         assert sorted(n.type_name for n in graph.nodes.values()) == ["Node", "Node", "Tensor", "list"]
         assert _labels(graph) == {".tensor", ".children", "[0]", ".parent"}
         gc.collect()
+
+
+def test_assert_no_garbage_counts_what_a_collection_finds():
+    from gclab.cycles import assert_no_garbage
+    gc.collect()
+    assert_no_garbage()
+
+    class Node:
+        pass
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        del a, b
+        with pytest.raises(AssertionError, match=r"found \d+ objects in cycles \(.*2 Node.*\): a node refers"):
+            assert_no_garbage("a node refers to another")
+    finally:
+        if was:
+            gc.enable()
+    assert_no_garbage()

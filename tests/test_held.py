@@ -1,4 +1,6 @@
 """gclab.held: which attribute of an object keeps the tensor bytes made since a start."""
+import weakref
+
 import torch
 
 from gclab.held import HeldBytes
@@ -149,3 +151,91 @@ def test_an_object_whose_dict_cannot_be_read_by_name_is_still_walked():
     object.__setattr__(hidden, "kept", torch.ones(25))
     held = tensors_held([hidden], "cache")
     assert len(held) == 1 and "float32[25] tensor (100 B of storage)" in held[0], held
+
+
+# -- assert_keeps_nothing, cut_off -------------------------------------------------------------
+import pytest  # noqa: E402
+
+from gclab.held import assert_keeps_nothing, cut_off  # noqa: E402
+
+_KEPT_ELSEWHERE = []
+
+
+class _Node:
+    """A tree node; with `weak=True` it refers to its parent weakly (no cycle)."""
+    def __init__(self, tensor, parent=None, weak=False):
+        self.tensor, self.children = tensor, []
+        self.parent = parent if parent is None or not weak else weakref.ref(parent)
+        if parent is not None:
+            parent.children.append(self)
+
+
+def test_assert_keeps_nothing_says_who_holds_the_bytes():
+    assert_keeps_nothing(lambda: {"value": float(torch.ones(256).sum())}, "a report", device="cpu")
+    with pytest.raises(AssertionError, match=r"^a report holds 1.00 KiB of tensors with the collector off$"):
+        assert_keeps_nothing(lambda: {"t": torch.ones(256)}, "a report", device="cpu")
+
+    def kept_elsewhere():
+        _KEPT_ELSEWHERE.append(torch.ones(256))
+        return {"t": torch.ones(256)}
+    try:
+        with pytest.raises(AssertionError, match=r"^2.00 KiB was held while a report was kept, 1.00 KiB of it even once "
+                                                 r"it was deleted: something outside the report keeps its batch, and "
+                                                 r"the report refers to the rest itself$"):
+            assert_keeps_nothing(kept_elsewhere, "a report", outside="its batch", device="cpu")
+    finally:
+        _KEPT_ELSEWHERE.clear()
+
+
+def _nodes(node):
+    return [node, *(n for child in node.children for n in _nodes(child))]
+
+
+def _tree(weak=True):
+    root = _Node(torch.ones(256))
+    for _ in range(2):
+        _Node(torch.ones(256), root, weak)
+    return root
+
+
+def test_cut_off_measures_a_structure_that_frees_itself():
+    def drop_first(root):
+        del root.children[0]
+    freed = cut_off(_tree, _nodes, device="cpu")
+    assert (freed.held, freed.left, freed.alive, freed.count, freed.collections) == (3072, 0, 0, 3, "")
+    pruned = cut_off(_tree, lambda root: _nodes(root.children[0]), cut=drop_first, device="cpu")
+    assert (pruned.held, pruned.left, pruned.alive, pruned.count) == (3072, 2048, 0, 1)
+    assert pruned.why == "none of it, nor a tensor it held, is still alive" and not pruned.in_cycles
+
+
+def test_cut_off_says_a_cycle_or_what_refers_to_what_was_cut_off():
+    cyclic = cut_off(lambda: _tree(weak=False), _nodes, device="cpu", what="the tree")  # children refer to the parent
+    assert (cyclic.left, cyclic.alive, cyclic.in_cycles) == (3072, 3, True)
+    assert cyclic.why.startswith("a collection frees the tree: it is still in reference cycles")
+
+    def registered():
+        root = _tree()
+        _KEPT_ELSEWHERE.append(root.children[1].tensor)
+        return root
+    try:
+        kept = cut_off(registered, _nodes, device="cpu", what="the tree")
+    finally:
+        _KEPT_ELSEWHERE.clear()
+    assert (kept.left, kept.alive, kept.in_cycles) == (1024, 0, False)
+    assert kept.why == ("a collection does not free the tree either: something else still refers to the tree "
+                        "(test_held._KEPT_ELSEWHERE[0])")
+
+
+def test_cut_off_names_the_path_from_what_it_keeps():
+    def every_node_listed():
+        root = _tree()
+        root.every_node = _nodes(root)
+        return root
+
+    def drop_first(root):
+        del root.children[0]
+    pruned = cut_off(every_node_listed, lambda root: _nodes(root.children[0]), cut=drop_first, device="cpu",
+                     what="the cut branch", holder="root")
+    assert (pruned.left, pruned.alive) == (3072, 1)
+    assert pruned.why == ("a collection does not free the cut branch either: something else still refers to the cut "
+                          "branch (root.every_node[1].tensor)")

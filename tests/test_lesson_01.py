@@ -351,9 +351,9 @@ def test_wrong_fixes_are_told_why(graded):
     assert "must still work after make_scaler has returned" in _message(graded["drops_what_the_caller_needs"],
                                                                    "test_scaler_results")
     assert "holds" in _message(graded["deletes_the_wrong_reference"], "test_job_reports")
-    assert "something outside the report keeps the failed step's tensors" in _message(
+    assert "something outside the failed job's report keeps the failed step's tensors" in _message(
         graded["keeps_only_the_latest"], "test_job_reports")
-    assert "something outside the scaler keeps its batch" in _message(graded["keeps_only_the_latest"],
+    assert "something outside the kept scaler keeps its batch" in _message(graded["keeps_only_the_latest"],
                                                                       "test_scaler_results")
     assert "it stopped growing" in _message(graded["keeps_only_the_latest"], "test_job_memory_flat")
     assert "did not return to its baseline" in _message(graded["deletes_the_wrong_reference"],

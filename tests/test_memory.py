@@ -1154,3 +1154,60 @@ def test_held_while_alive_and_after_the_last_reference_is_dropped():
     with gc_disabled():
         held_while_and_after(_Keeper, use, "cpu", collector=False)
         assert not gc.isenabled(), "a collector that was off is left off"
+
+
+# -- peak_growth, CachingDevice -----------------------------------------------------------------
+def test_peak_growth_is_the_most_a_call_held_at_once():
+    from gclab.memory import peak_growth
+
+    def call():
+        a = torch.ones(256)
+        b = torch.ones(512)
+        del a, b
+        return torch.ones(128)
+    assert peak_growth(call, "cpu") == 3 * KiB
+
+
+def _readings(make):
+    """[allocated growth, reserved minus its start] at the four moments around a tensor's `del`."""
+    with Meter("cpu") as m:
+        start, out = m.reserved(), []
+        t = make()
+        out.append([m.growth(), m.reserved() - start])
+        torch.cuda.empty_cache()
+        out.append([m.growth(), m.reserved() - start])
+        del t
+        out.append([m.growth(), m.reserved() - start])
+        torch.cuda.empty_cache()
+        out.append([m.growth(), m.reserved() - start])
+    return out, m
+
+
+def test_caching_device_simulated_on_cpu_caches_freed_blocks_until_empty_cache():
+    from gclab.memory import CachingDevice
+    given = (Meter.__enter__, Meter.allocated, Meter.peak, Meter.reserved, torch.cuda.empty_cache)
+
+    def with_scratch():
+        scratch = torch.ones(256 * KiB)                  # 1 MiB, freed: its block stays cached
+        return scratch[:64 * KiB] * 2                    # 256 KiB kept
+    with CachingDevice(cached=MiB, device="cpu") as device:
+        assert device.simulated
+        seen, meter = _readings(lambda: torch.ones(MiB // 4))
+        assert meter.baseline == 3 * MiB and meter.allocated() == 3 * MiB     # the others' 3 MiB, counted
+        assert seen == [[MiB, MiB], [MiB, 0], [0, 0], [0, -MiB]]
+    with CachingDevice(device="cpu"):
+        assert _readings(with_scratch)[0] == [[256 * KiB, 1280 * KiB], [256 * KiB, 256 * KiB], [0, 256 * KiB], [0, 0]]
+    assert (Meter.__enter__, Meter.allocated, Meter.peak, Meter.reserved, torch.cuda.empty_cache) == given
+    assert _readings(lambda: torch.ones(MiB // 4))[0] == [[MiB, MiB], [MiB, MiB], [0, 0], [0, 0]]   # no cache
+
+
+def test_caching_device_seals_what_it_installs():
+    from gclab.memory import CachingDevice
+    sealed = []
+
+    def seal(function, name):
+        sealed.append(name)
+        return function
+    with CachingDevice(device="cpu", seal=seal):
+        pass
+    assert sorted(sealed) == ["__enter__", "allocated", "empty_cache", "peak", "reserved"]

@@ -179,3 +179,36 @@ def test_objects_added_counts_what_the_calls_left_alive():
     kept = []
     assert objects_added(lambda i: kept.append([i]), times=50) >= 50
     assert objects_added(lambda i: [i], times=50) < 10          # each list dropped at once
+
+
+# -- weak, reuse_address, assert_is ----------------------------------------------------------
+def test_weak_refers_weakly_or_returns_none():
+    from gclab.refs import weak
+    thing = Thing()
+    ref = weak(thing)
+    assert ref() is thing
+    del thing
+    assert ref() is None
+    assert weak(3)() is None                      # an int takes no weak reference
+
+
+def test_reuse_address_makes_objects_until_one_takes_the_address():
+    from gclab.refs import reuse_address
+    thing = Thing()
+    address = id(thing)
+    del thing
+    made = reuse_address(address, Thing)
+    assert id(made[-1]) == address and len(made) <= 2000
+    assert len(reuse_address(-1, Thing, limit=5)) == 5
+
+
+def test_assert_is_says_what_a_proxy_hides():
+    from gclab.refs import assert_is
+    thing, other = Thing(), Thing()
+    assert_is(thing, thing, "it")
+    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy of the node, not the node: a proxy is"):
+        assert_is(weakref.proxy(thing), thing, "its parent", name="the node")
+    with pytest.raises(AssertionError, match="^its parent is a weakref.proxy, not the expected object: a proxy is"):
+        assert_is(weakref.proxy(other), thing, "its parent")
+    with pytest.raises(AssertionError, match="^its parent is not the expected object: keep its own$"):
+        assert_is(other, thing, "its parent", "keep its own")
