@@ -32,7 +32,7 @@ from collections import deque
 
 
 __all__ = ["Lifetimes", "Stub", "reference_paths", "direct_referrers", "forget_last_error", "link", "links",
-           "objects_added", "weak", "reuse_address", "assert_is"]
+           "objects_added", "weakref_or_none", "reuse_address", "assert_is"]
 
 _MAIN = "__main__"
 _SHELL = "get_ipython()"
@@ -385,7 +385,7 @@ def objects_added(action, times: int = 1) -> int:
 
 
 # -- an object found again: by its own link, or by a name or an address a newcomer can take over ----------
-def weak(obj):
+def weakref_or_none(obj):
     """A weak reference to `obj` (call it: `obj`, or None once it is freed); for an object that takes no
     weak reference, a function that returns None (nothing can tell whether it is still alive)."""
     try:

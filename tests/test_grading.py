@@ -617,6 +617,8 @@ SETUP = "import gc, torch\nfrom gclab import checks\nfrom gclab.memory import Me
     "from gclab.memory import describe_device as Meter",
     "for gc in range(3):\n    pass",
     "with open('x') as checks:\n    pass",
+    "if True:\n    Meter = dict",
+    "def swap():\n    global checks\n    checks = None",
 ])
 def test_rebinding_a_tool_the_locked_cells_imported_is_detected(source):
     tools = grading.imported_tools([SETUP])
@@ -635,6 +637,10 @@ def test_a_line_caught_by_two_rules_is_listed_once():
     "from gclab import checks",
     "from gclab.memory import Meter, format_bytes as fb",
     "meter = Meter('cpu')\nreport = checks.run_flat_check(lambda i: i)",
+    # a function's or a class's own names of the same spelling replace nothing the tests use
+    "def unseen(mode):\n    checks, fb = mode.size, mode.weak\n    return checks",
+    "class Node:\n    Meter = None\n    def link(self):\n        for fb in range(2):\n            pass",
+    "f = lambda checks: checks",
 ])
 def test_importing_or_using_the_tools_again_is_fine(source):
     tools = grading.imported_tools([SETUP])

@@ -14,6 +14,7 @@ from lesson_support import (
     test_no_handed_back_file_holds_a_line_of_a_hidden_test,  # noqa: F401  (collected here)
     test_every_test_of_the_reference_records_what_it_observed,  # noqa: F401  (collected here)
     test_every_self_check_ends_with_one_plain_line_when_it_passes,  # noqa: F401  (collected here)
+    test_every_wrong_fix_that_loses_points_fails_a_visible_self_check,  # noqa: F401  (collected here)
     ROOT, assert_full_marks, grade_all, assert_no_marks_until_answered, write_variants,
 )
 

@@ -181,15 +181,15 @@ def test_objects_added_counts_what_the_calls_left_alive():
     assert objects_added(lambda i: [i], times=50) < 10          # each list dropped at once
 
 
-# -- weak, reuse_address, assert_is ----------------------------------------------------------
-def test_weak_refers_weakly_or_returns_none():
-    from gclab.refs import weak
+# -- weakref_or_none, reuse_address, assert_is ----------------------------------------------
+def test_weakref_or_none_refers_weakly_or_returns_none():
+    from gclab.refs import weakref_or_none
     thing = Thing()
-    ref = weak(thing)
+    ref = weakref_or_none(thing)
     assert ref() is thing
     del thing
     assert ref() is None
-    assert weak(3)() is None                      # an int takes no weak reference
+    assert weakref_or_none(3)() is None                      # an int takes no weak reference
 
 
 def test_reuse_address_makes_objects_until_one_takes_the_address():

@@ -9,7 +9,8 @@ decides it.  A test's point stands only when the grader, in its own process, con
    solution, under the same conditions on the same machine.  A "passed" with nothing to compare
    is not one.
 2. **Work done.**  The process spent on the CPU during the test at least a fifth of the time the
-   reference's spent (`/proc/PID/schedstat`, which waiting for a core does not inflate): a test
+   reference's spent (the kernel's CPU-time clock of the process, every thread's time, those that
+   ended included; waiting for a core does not inflate it): a test
    whose result arrives without its work having run did not run.
 3. **Memory.**  The process's resident memory and its peak over the test (`VmRSS`, `VmHWM` after
    resetting it at the test's start), and over the whole run, stayed within a margin of the

@@ -72,26 +72,43 @@ def _tools_imported_by(source: str) -> tuple[tuple[str, str], ...]:
     return tuple(names)
 
 
+def _in_module_scope(tree):
+    """The nodes of `tree` whose bindings are the module's (the notebook's) names: not those inside a
+    function's or a class's body, whose names are its own, but those a function declares `global`."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            declared = {name for inner in ast.walk(node) if isinstance(inner, ast.Global) for name in inner.names}
+            yield from (inner for inner in ast.walk(node) if inner is not node and declared & set(_bound(inner)))
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _bound(node) -> list[str]:
+    """The names `node` binds (a def or class its own name, an assignment, loop or `with` its targets)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, (ast.Assign, ast.Delete)):
+        return [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
+        return [n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)]
+    if isinstance(node, ast.withitem) and node.optional_vars is not None:
+        return [n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name)]
+    return []
+
+
 def _rebindings(tree, tools: dict[str, str]):
-    """Statements of `tree` that bind one of `tools`' names to something else."""
-    for node in ast.walk(tree):
+    """Statements of `tree` that bind one of `tools`' names, in the notebook's namespace, to something
+    else (a function's own variable of the same name replaces nothing)."""
+    for node in _in_module_scope(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             again = imported_tools([ast.unparse(node)])
             if any(name in tools and again.get(name) != tools[name]
                    for name in (a.asname or a.name.split(".")[0] for a in node.names)):
                 yield node
-            continue
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names = [node.name]
-        elif isinstance(node, (ast.Assign, ast.Delete)):
-            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.NamedExpr)):
-            names = [n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)]
-        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            names = [n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name)]
-        else:
-            continue
-        if any(name in tools for name in names):
+        elif any(name in tools for name in _bound(node)):
             yield node
 
 
