@@ -1,7 +1,7 @@
 """A fork server: a process that imported a module's heavy dependencies once, then forks a
 child for each request.
 
-    python -I -m gclab.zygote SOCKET_FD MODULE          (started by Zygote(MODULE))
+    python -I -m gclab.zygote SOCKET_FD MODULE dumpable|undumpable     (started by Zygote(MODULE))
 
 The server runs `MODULE.preload()` once.  For each request (a JSON object and file
 descriptors, passed over a Unix socket with SCM_RIGHTS) it forks a child that runs
@@ -42,7 +42,9 @@ class Zygote:
         the command line must have, at least, for a child to show another one in its place (`show_as`)."""
         self.lock = threading.Lock()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [sys.executable, "-I", "-m", "gclab.zygote", str(theirs.fileno()), module]
+        # a requester that may not be traced (gclab.grader.sandbox.shield) has a server that may not be either
+        argv = [sys.executable, "-I", "-m", "gclab.zygote", str(theirs.fileno()), module,
+                "dumpable" if _dumpable() else "undumpable"]
         taken = sum(len(os.fsencode(arg)) + 1 for arg in argv)
         if room > taken:
             argv.append("-" * (room - taken - 1))         # overwritten (show_as) before any child starts
@@ -110,10 +112,17 @@ def _libc():
 
 
 _LIBC = _libc() if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_PR_SET_PDEATHSIG, _PR_GET_DUMPABLE, _PR_SET_DUMPABLE, _PR_SET_NAME = 1, 3, 4, 15
 
 
-def serve(sock: socket.socket, module_name: str) -> None:
+def _dumpable() -> bool:
+    """May a process of the same user trace this one (Linux's PR_GET_DUMPABLE; a fresh program may)?"""
+    return _LIBC is None or _LIBC.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+
+
+def serve(sock: socket.socket, module_name: str, dumpable: bool = True) -> None:
+    if not dumpable and _LIBC is not None:
+        _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)     # and so are the children, unless they say otherwise
     module = importlib.import_module(module_name)
     module.preload()
     server = os.getpid()
@@ -159,7 +168,7 @@ def _become(sock: socket.socket, module, request: dict, fds: list, server: int) 
 
 
 def main() -> int:
-    serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2])
+    serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2], dumpable=sys.argv[3] != "undumpable")
     return 0
 
 

@@ -5,6 +5,8 @@ array over any address (`__array_interface__`) reads and rewrites memory with no
 submissions lie, each in its own way, about what their process did; the grader decides from what it
 measured itself (outputs compared with the reference solution's, what the system reports about the
 process) and each loses the points its code did not earn, with a reason a learner can read."""
+import os
+
 import nbformat
 import pytest
 
@@ -311,3 +313,126 @@ def test_a_collection_run_by_a_thread_that_ends_inside_the_call_is_still_timed(g
     lying = graded_band_aid["cheat_collects_in_a_thread_that_ends_and_relays_passed"]
     assert lying.score == 0, grading.format_results([lying])
     assert "Something collected inside them" in lying.tests[0].message, lying.tests[0].message
+
+
+# What a learner's code can do with no trick at all, through libc (no audit hook sees it) or torch (which
+# writes files from C++): read and write any file its user may, and start a process that outlives the grading.
+# The kernel's walls (gclab.grader.sandbox) leave it the grading folder alone.
+THROUGH_LIBC = """
+import ctypes, json, os
+_libc = ctypes.CDLL(None, use_errno=True)
+def _read(path):
+    fd = _libc.open(os.fsencode(path), os.O_RDONLY)
+    if fd < 0:
+        return None
+    chunks, buffer = [], ctypes.create_string_buffer(1 << 16)
+    while (n := _libc.read(fd, buffer, len(buffer))) > 0:
+        chunks.append(buffer.raw[:n])
+    _libc.close(fd)
+    return b"".join(chunks)
+def _write(path, data):
+    fd = _libc.open(os.fsencode(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if fd >= 0:
+        _libc.write(fd, data, len(data))
+        _libc.close(fd)
+"""
+# The reference solution read from the course's sources, and run.
+READS_THE_SOLUTION = THROUGH_LIBC + """
+_source = _read("{course}/solutions/toy/toy.ipynb")
+for _cell in json.loads(_source)["cells"] if _source else []:
+    if _cell["metadata"].get("nbgrader", {{}}).get("solution"):
+        exec("".join(_cell["source"]))
+"""
+WRONG_DOUBLE = "def double(x):\n    return x\n"
+# A wrong answer whose outputs are written into the reference solution's figures, which the grader keeps in
+# the course folder: the next grading compares with them.
+PLANTS_ITS_OUTPUTS_AS_THE_REFERENCES = WRONG_DOUBLE + THROUGH_LIBC + """
+def _as_mine(value):
+    if value == [2 * i for i in range(30)]:
+        return list(range(30))
+    if isinstance(value, list):
+        return [_as_mine(v) for v in value]
+    return {{k: _as_mine(v) for k, v in value.items()}} if isinstance(value, dict) else value
+_cache = "{course}/autograder/work/cache"
+for _name in os.listdir(_cache) if os.path.isdir(_cache) else []:
+    if _name.startswith("reference-") and _name.endswith(".json"):
+        _write(f"{{_cache}}/{{_name}}", json.dumps(_as_mine(json.loads(_read(f"{{_cache}}/{{_name}}")))).encode())
+import torch
+try:
+    torch.save({{"planted": True}}, "{course}/autograder/planted.pt")
+except RuntimeError:
+    pass
+"""
+# A right answer that leaves a process behind, in a session of its own (the grader ends the verdict's session),
+# free to write the gradebook once the grader has.
+LEAVES_A_PROCESS_BEHIND = """def double(x):
+    return 2 * x
+import ctypes, time
+_libc = ctypes.CDLL(None)
+if _libc.fork() == 0:
+    _libc.setsid()
+    _libc.prctl(15, b"{name}", 0, 0, 0)
+    time.sleep(120)
+    _libc._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def graded_behind_walls(tmp_path_factory):
+    from toy_course import lesson, make_course
+    folder = tmp_path_factory.mktemp("walls")
+    test = "got = [double(i) for i in range(30)]\nchecks.observe('doubles', got)\nassert got == [2 * i for i in range(30)]"
+
+    def toy(answer):
+        return lesson(answer, [("test_double", test, 2)], setup="from gclab import checks")
+    course = make_course(folder / "course", {"toy": toy("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n"
+                                                         "### END SOLUTION")})
+    left_behind = f"left-{folder.name}"[:15]
+    attacks = {"cheat_reads_the_solution_through_libc": READS_THE_SOLUTION.format(course=course),
+               "cheat_plants_its_outputs_as_the_references": PLANTS_ITS_OUTPUTS_AS_THE_REFERENCES.format(course=course),
+               "cheat_leaves_a_process_behind": LEAVES_A_PROCESS_BEHIND.format(name=left_behind),
+               "wrong": WRONG_DOUBLE}
+    paths = {}
+    for name, answer in attacks.items():
+        paths[name] = folder / f"{name}-toy.ipynb"
+        nbformat.write(toy(answer), paths[name])
+    graded = dict(zip(paths, grading.grade(list(paths.values()), root=course)))
+    graded["wrong, graded again"] = grading.grade([paths["wrong"]], root=course)[0]
+    return graded, course, left_behind
+
+
+def test_the_course_sources_are_out_of_reach_of_the_learners_code(graded_behind_walls):
+    graded, _, _ = graded_behind_walls
+    result = graded["cheat_reads_the_solution_through_libc"]
+    assert result.score == 0, grading.format_results([result])
+    assert "double" in result.tests[0].message and "not defined" in result.tests[0].message, result.tests[0].message
+
+
+def test_the_reference_figures_cannot_be_rewritten_for_the_next_grading(graded_behind_walls):
+    graded, course, _ = graded_behind_walls
+    assert graded["cheat_plants_its_outputs_as_the_references"].score == 0
+    again = graded["wrong, graded again"]
+    assert again.score == 0 and not again.tests[0].message.startswith("the grader could not confirm"), (
+        grading.format_results([again]))
+    assert not (course / "autograder" / "planted.pt").exists()
+
+
+def test_no_process_of_the_learners_outlives_the_grading(graded_behind_walls):
+    graded, _, left_behind = graded_behind_walls
+    result = graded["cheat_leaves_a_process_behind"]
+    assert result.score == 2, grading.format_results([result])
+    assert not _running_as(left_behind), f"processes the submission started are still running: {_running_as(left_behind)}"
+
+
+def _running_as(name: str) -> list[str]:
+    """Processes named `name` not yet ended (a killed one waits a moment to be reaped: state Z)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                head, _, tail = stat.read().rpartition(")")
+        except OSError:
+            continue
+        if head.partition("(")[2] == name and tail.split()[:1] != ["Z"]:
+            found.append(pid)
+    return found

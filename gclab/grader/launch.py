@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from . import measured
+from . import measured, sandbox
 from .cells import _answers_of, _meta, top_level_names
 from .results import TestResult
 from .tampering import imported_tools
@@ -107,7 +107,7 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=(), notebook: str
             tests.append({"id": meta["grade_id"], "source": cell.source, "points": float(meta.get("points", 0))})
         elif meta.get("locked"):
             cells.append({"kind": "given", "id": meta.get("grade_id", "given"), "source": cell.source})
-    return {"token": secrets.token_hex(16), "workdir": str(workdir), "notebook": notebook, "cells": cells, "tests": tests,
+    return {"token": secrets.token_hex(16), "workdir": str(workdir), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0", "notebook": notebook, "cells": cells, "tests": tests,
             "missing_answers": missing, "hidden": [str(h) for h in hidden],
             "copied_answers": {grade_id: len(copies) for grade_id, copies in answers.items() if len(copies) > 1},
             "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names),
@@ -242,6 +242,7 @@ def run_verdict(job: dict, cell_timeout: float = 180, memory_limit=None, timeout
     left) and return {test id: TestResult}; `timeout` bounds it all.  The grader's figures of each
     process's whole run are appended to `whole`."""
     import time
+    sandbox.shield()          # the learner's code, walled in, may neither trace the grader nor open its memory
     results, remaining, end = {}, list(job["tests"]), time.monotonic() + timeout
     whole = [] if whole is None else whole
     while remaining:
@@ -268,7 +269,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
         theirs.close()
     channel = _Channel(read_end, job["token"])
     watch = measured.Watch(proc.pid)      # the verdict process leads a session of its own
-    results = {}
+    results, walled_in = {}, None      # the user namespace it runs the learner's code in
 
     def result(test_id, status, message, output="", figures=None, observed=None):
         results[test_id] = TestResult(test_id, points[test_id] if status == "passed" else 0.0,
@@ -295,6 +296,9 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
             figures = {}
             if event == "ready":
                 watch.ready()
+                walled_in = sandbox.namespace_of(proc.pid)
+                if not sandbox.walled(proc.pid):
+                    _say_once_unwalled(message.get("walls"))
             elif event == "start":
                 watch.start()
             elif event == "result":
@@ -324,11 +328,27 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
         whole.append(watch.end())
     finally:
         proc.end()
+        sandbox.end_within(walled_in)     # what the learner's code started and left, in a session of its own too
         os.close(read_end)
     if channel.forged:
         for test_id in results:
             result(test_id, "tampered", "the submission wrote to the grader's result channel", results[test_id].output)
     return results
+
+
+_SAID_UNWALLED: list = []
+
+
+def _say_once_unwalled(why) -> None:
+    """Tell whoever grades, once, that the learner's code runs without the kernel's walls here."""
+    if _SAID_UNWALLED:
+        return
+    _SAID_UNWALLED.append(why)
+    print(f"gclab grade: the learner's code runs without the kernel's walls on this machine "
+          f"({str(why or 'the verdict process is not walled in')[:300]}): only the guard inside its process "
+          "refuses it the course's files, and such code can get around that (ctypes, torch.save). On Ubuntu "
+          "24.04, `sudo sysctl kernel.apparmor_restrict_unprivileged_userns=0` lets the grader build them "
+          "(README: What decides a grade).", file=sys.stderr, flush=True)
 
 
 def _send_load(watch: measured.Watch, argv, server) -> list:

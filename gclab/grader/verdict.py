@@ -239,6 +239,7 @@ def _load_instruments():
     # what lessons import from gclab besides (a hidden test's grading.tampering: nbformat, 3.8 s per verdict
     # here); imported now, they are pinned with the rest of gclab (guard.pin_gclab)
     import gclab.grader.tampering, gclab.traces, gclab.widgets  # noqa: F401,E401
+    import gclab.grader.sandbox  # noqa: F401  (_wall_in)
     import resource  # noqa: F401  (apply_limits)
     import sqlite3  # noqa: F401  (IPython's history)
     # what InteractiveShell.instance() imports (tests/test_grading.py names any it would import after the fork)
@@ -250,6 +251,7 @@ def _load_instruments():
 
 def run(job: dict, channel: int) -> None:
     token = _Token(job.pop("token"))
+    job["walls"] = _wall_in(job)
     _quiet_and_local(job["workdir"], job.get("notebook", ""))
     shell_class = _load_instruments()
     from gclab import guard
@@ -267,6 +269,18 @@ def run(job: dict, channel: int) -> None:
     outside.loads_by(lambda argv, server_pid: _load_by_the_grader(channel, token, argv, server_pid))
     keeper = guard.install(job["workdir"], processes=False, files=True, hidden=job.get("hidden", ()))
     _grade(job, channel, token, shell, keeper)
+
+
+def _wall_in(job: dict) -> str | None:
+    """The kernel's walls around this process (`gclab.grader.sandbox`), while it has one thread: nothing
+    but the grading folder writable, the course hidden but for gclab and the Python environment.  None once
+    they stand, else why not (the grader sees for itself whether they do: `sandbox.walled`)."""
+    import gclab
+    from . import sandbox
+    if not job.get("walls", True):
+        return "the grader was told to build none (GCLAB_GRADE_WALLS=0)"
+    keep = [os.path.dirname(gclab.__file__), sys.prefix, sys.base_prefix, sys.exec_prefix]
+    return sandbox.enter(job["workdir"], hidden=job.get("hidden", ()), keep=keep)
 
 
 def _initialise_cuda() -> None:
@@ -289,7 +303,7 @@ def _grade(job: dict, channel: int, token: _Token, shell, keeper) -> None:
     test_builtins = dict(vars(builtins))
     relied_on = _builtins_relied_on([c["source"] for c in job["cells"] if c["kind"] != "answer"]
                                     + [t["source"] for t in job["tests"]], namespace)
-    _send_and_wait(channel, token, event="ready")
+    _send_and_wait(channel, token, event="ready", walls=job.get("walls"))
     answer_errors = {}
     given = {}
     for cell in job["cells"]:

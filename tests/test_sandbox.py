@@ -1,0 +1,237 @@
+"""The kernel's walls around a verdict process (gclab.grader.sandbox): what code inside them can no longer do.
+
+Each test forks a stand-in for the grader and, under it, a process that enters the walls and then tries,
+as a learner's code could without any trick (ctypes, torch), to reach past them."""
+import ctypes
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from gclab.grader import sandbox
+
+pytestmark = pytest.mark.skipif(sandbox.available() is not None, reason=f"walls refused here: {sandbox.available()}")
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+O_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+def _in_child(body, *args) -> dict:
+    """Run body(*args) in a forked child; what it returns (a dict) comes back through a pipe."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            try:
+                out = body(*args)
+            except BaseException as error:      # noqa: BLE001 (reported to the test)
+                out = {"error": repr(error)}
+            os.write(write, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(data or b"{}")
+
+
+def _course(tmp_path):
+    course = tmp_path / "course"
+    for folder in ("solutions/toy", "autograder/work/cache", "gclab"):
+        (course / folder).mkdir(parents=True)
+    (course / "solutions/toy/toy.ipynb").write_text("the hidden tests")
+    (course / "autograder/work/cache/reference-toy.json").write_text("{}")
+    (course / "gclab/memory.py").write_text("# a tool")
+    folder = tmp_path / "grading" / "toy"
+    folder.mkdir(parents=True)
+    return course, folder
+
+
+def _walled(course, folder, then):
+    def body():
+        why = sandbox.enter(str(folder), hidden=[str(course)], keep=[str(course / "gclab")])
+        return {"why": why, **then()}
+    return _in_child(body)
+
+
+def _create(path) -> int:
+    """0 where a file could be opened for writing at `path` (through libc, as no audit hook sees), else errno."""
+    fd = LIBC.open(os.fsencode(path), O_WRITE, 0o644)
+    if fd < 0:
+        return ctypes.get_errno()
+    LIBC.close(fd)
+    return 0
+
+
+def test_code_inside_writes_only_in_its_grading_folder(tmp_path):
+    course, folder = _course(tmp_path)
+    beside = tmp_path / "beside"
+
+    def attempts():
+        out = {"libc": {str(p): _create(p) for p in (folder / "mine", beside,
+                                                      course / "autograder/work/cache/reference-toy.json")}}
+        try:
+            torch.save({"forged": True}, str(tmp_path / "saved.pt"))
+            out["torch.save"] = "written"
+        except RuntimeError:
+            out["torch.save"] = "refused"
+        return out
+    out = _walled(course, folder, attempts)
+    assert out["why"] is None, out
+    assert out["libc"] == {str(folder / "mine"): 0, str(beside): 30,      # EROFS
+                           str(course / "autograder/work/cache/reference-toy.json"): 2}, out   # hidden: ENOENT
+    assert out["torch.save"] == "refused"
+    assert (folder / "mine").exists() and not beside.exists() and not (tmp_path / "saved.pt").exists()
+    assert (course / "autograder/work/cache/reference-toy.json").read_text() == "{}"
+
+
+def test_the_course_is_hidden_but_for_the_tools_it_keeps(tmp_path):
+    course, folder = _course(tmp_path)
+
+    def look():
+        return {"listed": sorted(os.listdir(course)), "tool": (course / "gclab/memory.py").read_text(),
+                "solutions": os.path.exists(course / "solutions/toy/toy.ipynb")}
+    out = _walled(course, folder, look)
+    assert out == {"why": None, "listed": ["gclab"], "tool": "# a tool", "solutions": False}, out
+
+
+def test_the_walls_cannot_be_taken_down_from_inside(tmp_path):
+    course, folder = _course(tmp_path)
+    ms_remount, ms_bind, ms_rec = 32, 4096, 16384
+
+    def take_down():
+        out = {"remount": LIBC.mount(None, b"/", None, ms_remount | ms_bind | ms_rec, None)}
+        out["new namespaces"] = LIBC.unshare(0x10000000 | 0x00020000)    # a user and a mount namespace anew
+        out["remount there"] = LIBC.mount(None, b"/", None, ms_remount | ms_bind | ms_rec, None)
+        out["unmount there"] = LIBC.umount2(os.fsencode(course), 2)      # MNT_DETACH: what lies under?
+        out["write"] = _create(tmp_path / "beside")
+        return out
+    out = _walled(course, folder, take_down)
+    assert out["why"] is None and out["new namespaces"] == 0, out
+    assert out["remount"] == out["remount there"] == out["unmount there"] == -1, out
+    assert out["write"] != 0 and not (tmp_path / "beside").exists()
+
+
+def test_a_shielded_grader_can_be_neither_read_nor_traced_from_inside(tmp_path):
+    course, folder = _course(tmp_path)
+
+    def grader(shielded: bool, walled: bool):
+        if shielded:
+            sandbox.shield()
+        me = os.getpid()
+
+        def reach():
+            out = {"why": sandbox.enter(str(folder), hidden=[str(course)]) if walled else None}
+            try:
+                with open(f"/proc/{me}/mem", "rb"):
+                    out["mem"] = "opened"
+            except OSError as error:
+                out["mem"] = error.errno
+            out["process_vm_readv"] = _read_memory_of(me, id(None), 8)
+            return out
+        return _in_child(reach)
+    assert _in_child(grader, True, True) == {"why": None, "mem": 13, "process_vm_readv": 1}      # EACCES, EPERM
+    if _ptrace_scope() == 0:
+        # the same reach, without the walls and the shield, succeeds on this machine: the check can fail
+        assert _in_child(grader, False, False) == {"why": None, "mem": "opened", "process_vm_readv": 0}
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def _read_memory_of(pid: int, address: int, size: int) -> int:
+    """0 where `size` bytes at `address` of process `pid` could be read into this one, else errno."""
+    buffer = ctypes.create_string_buffer(size)
+    local, remote = _IoVec(ctypes.addressof(buffer), size), _IoVec(address, size)
+    got = LIBC.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return 0 if got == size else ctypes.get_errno()
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def test_every_process_left_inside_is_ended_with_the_verdict(tmp_path):
+    course, folder = _course(tmp_path)
+    read, write = os.pipe()
+    verdict = os.fork()
+    if verdict == 0:
+        sandbox.enter(str(folder), hidden=[str(course)])
+        if os.fork() == 0:                  # left behind, in a session of its own, nested a namespace deeper
+            os.setsid()
+            LIBC.unshare(0x10000000)
+            os.write(write, str(os.getpid()).encode())
+            time.sleep(60)
+        os._exit(0)
+    os.close(write)
+    left = int(os.read(read, 32))
+    os.close(read)
+    namespace = sandbox.namespace_of(verdict)
+    os.waitpid(verdict, 0)
+    assert _alive(left)
+    assert sandbox.end_within(namespace) == [left]
+    assert sandbox.end_within(sandbox.namespace_of(os.getpid())) == [], "the grader's own namespace is never swept"
+    for _ in range(100):
+        if not _alive(left):
+            break
+        time.sleep(0.02)
+    assert not _alive(left)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_grader_sees_for_itself_whether_a_process_is_walled_in(tmp_path):
+    course, folder = _course(tmp_path)
+    seen = {}
+    for walls in (True, False):
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            if walls:
+                sandbox.enter(str(folder), hidden=[str(course)])
+            os.write(write, b"in")
+            time.sleep(30)
+            os._exit(0)
+        os.read(read, 2)
+        seen[walls] = sandbox.walled(child)
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        os.close(read), os.close(write)
+    assert seen == {True: True, False: False}
+
+
+def test_a_process_with_threads_is_told_why_it_cannot_be_walled_in(tmp_path):
+    course, folder = _course(tmp_path)
+
+    def with_a_thread():
+        stop = threading.Event()
+        threading.Thread(target=stop.wait).start()
+        try:
+            why = sandbox.enter(str(folder), hidden=[str(course)])
+            return {"why": why, "write": _create(tmp_path / "beside")}
+        finally:
+            stop.set()
+    out = _in_child(with_a_thread)
+    assert out["why"].startswith("the kernel refused the grader's walls (a user and mount namespace: "), out
+    assert out["write"] == 0, "nothing half built: the process runs as before, behind the guard alone"
+
+
+def test_a_grader_that_cannot_wall_in_says_why(monkeypatch):
+    monkeypatch.setattr(sandbox, "_LIBC", None)
+    assert sandbox.available() == sandbox.enter("/tmp") == "the grader's walls need Linux"
