@@ -5,6 +5,7 @@ as a learner's code could without any trick (ctypes, torch), to reach past them.
 import ctypes
 import json
 import os
+import socket
 import threading
 import time
 
@@ -98,6 +99,56 @@ def test_the_course_is_hidden_but_for_the_tools_it_keeps(tmp_path):
                 "solutions": os.path.exists(course / "solutions/toy/toy.ipynb")}
     out = _walled(course, folder, look)
     assert out == {"why": None, "listed": ["gclab"], "tool": "# a tool", "solutions": False}, out
+
+
+def test_code_inside_has_a_network_of_its_own_loopback_alone(tmp_path):
+    course, folder = _course(tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as outside:       # a gradebook server, a Dask scheduler
+        port = outside.getsockname()[1]
+
+        def connect():
+            out = {}
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                out["outside"] = "reached"
+            except OSError as error:
+                out["outside"] = error.errno
+            with socket.create_server(("127.0.0.1", 0)) as inside:   # a lesson's model server
+                socket.create_connection(inside.getsockname(), timeout=2).close()
+            out["inside"] = "reached"
+            return out
+        out = _walled(course, folder, connect)
+    assert out == {"why": None, "outside": 111, "inside": "reached"}, out       # ECONNREFUSED
+
+
+def test_the_graders_load_joins_the_network_of_a_server_behind_the_walls(tmp_path):
+    from gclab.serving.processes import join_network_of
+    course, folder = _course(tmp_path)
+    read, write = os.pipe()
+    server = os.fork()
+    if server == 0:
+        sandbox.enter(str(folder), hidden=[str(course)])
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            os.write(write, str(listening.getsockname()[1]).encode())
+            listening.settimeout(10)
+            listening.accept()[0].close()
+        os._exit(0)
+    port = int(os.read(read, 16))
+
+    def send(join: bool):
+        if join:
+            join_network_of(server)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return {"reached": True}
+        except OSError:
+            return {"reached": False}
+    try:
+        assert _in_child(send, False) == {"reached": False}
+        assert _in_child(send, True) == {"reached": True}
+    finally:
+        os.waitpid(server, 0)
+        os.close(read), os.close(write)
 
 
 def test_the_walls_cannot_be_taken_down_from_inside(tmp_path):
@@ -228,7 +279,7 @@ def test_a_process_with_threads_is_told_why_it_cannot_be_walled_in(tmp_path):
         finally:
             stop.set()
     out = _in_child(with_a_thread)
-    assert out["why"].startswith("the kernel refused the grader's walls (a user and mount namespace: "), out
+    assert out["why"].startswith("the kernel refused the grader's walls (a user, mount and network namespace: "), out
     assert out["write"] == 0, "nothing half built: the process runs as before, behind the guard alone"
 
 

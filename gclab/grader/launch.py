@@ -367,7 +367,7 @@ def _send_load(watch: measured.Watch, argv, server) -> list:
         return []
     load = ["load", args.url, "--rate", str(args.rate), "--count", str(args.count), "--seed", str(args.seed),
             "--timeout", str(args.timeout), "--burst", str(args.burst), "--lull", str(args.lull),
-            "--watch-cpu", str(server)] + (["--poisson"] if args.poisson else [])
+            "--watch-cpu", str(server), "--network-of", str(server)] + (["--poisson"] if args.poisson else [])
     try:
         rows = serving.load_rows(load)
     except RuntimeError:

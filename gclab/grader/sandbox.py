@@ -4,10 +4,11 @@ The guard (`gclab.guard`) refuses, inside the verdict process, writes outside th
 the course: a refusal that code in that process can walk around (ctypes' `open`, `torch.save`, or an array
 over the guard's own memory).  These walls are the kernel's, set before the learner's code runs:
 
-- `enter`, in the verdict process: a mount namespace of its own in which every file system is read-only but
-  the grading folder, and the course's folders (`hidden`: its solutions, hidden tests, the reference's
-  figures, the gradebook) are empty but for what the grader's tools load from them (gclab, the Python
-  environment), in a user namespace of its own; then every capability dropped, so that the walls cannot be
+- `enter`, in the verdict process: namespaces of its own.  A network one, with its own loopback and nothing
+  else (no gradebook server, no Dask scheduler, no other machine).  A mount one, in which every file system
+  is read-only but the grading folder, and the course's folders (`hidden`: its solutions, hidden tests, the
+  reference's figures, the gradebook) are empty but for what the grader's tools load from them (gclab, the
+  Python environment).  A user one, whose every capability is then dropped, so that the walls cannot be
   taken down again from inside (nor from a namespace made anew: the read-only flags of mounts handed to a
   less privileged namespace are locked), nor the grader's memory read or written (`shield`);
 - `shield`, in the grader and its zygotes: not dumpable (Linux's PR_SET_DUMPABLE), so that a process of the
@@ -28,11 +29,14 @@ import errno
 import fcntl
 import os
 import signal
+import socket
+import struct
 import sys
 
 __all__ = ["available", "end_within", "enter", "namespace_of", "shield", "walled"]
 
-_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+_SIOCSIFFLAGS, _IFF_UP, _IFF_LOOPBACK, _IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 _MOUNT_ATTR_RDONLY, _AT_RECURSIVE, _AT_FDCWD = 0x1, 0x8000, -100
 _SYS_MOUNT_SETATTR = 442                    # the same number on x86-64 and arm64
@@ -95,12 +99,24 @@ def enter(workdir: str, hidden=(), keep=()) -> str | None:
 
 
 def _own_namespaces() -> None:
-    """A user namespace and a mount namespace of this process's own: the capability to mount, over these
-    mounts alone, and changes that reach no other process.  The same ids inside as outside."""
+    """A user, a mount and a network namespace of this process's own: the capability to mount, over these
+    mounts alone, changes that reach no other process, and a network of its own loopback alone.  The same
+    ids inside as outside."""
     uid, gid = os.geteuid(), os.getegid()
-    _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "a user and mount namespace")
+    _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET), "a user, mount and network namespace")
     _map_ids(uid, gid)
     _check(_LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+    _loopback_up()
+
+
+def _loopback_up() -> None:
+    """127.0.0.1 in the new network namespace (a lesson's model server listens there; the grader's load
+    reaches it from a process that joins this namespace: gclab.serving's `--network-of`)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", _IFF_UP | _IFF_LOOPBACK | _IFF_RUNNING))
+        except OSError as error:
+            raise Refused(error.errno, f"the loopback interface: {error.strerror}") from None
 
 
 def _map_ids(uid: int, gid: int) -> None:
