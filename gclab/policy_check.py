@@ -25,8 +25,12 @@ BUSY_BASELINE_P99_MS = 40.0  # collector off, a quiet machine: about 10 ms; abov
 LOAD_BURST = 125            # requests: the graded load's 875 in seven bursts
 LOAD_LULL = 0.05            # seconds of quiet after each burst's last answer
 # the busier load: evenly spaced requests, one every 2.5 ms, each waiting 5 ms for the device, so that one is
-# always in flight and the server is never idle: what a policy leaves to the collector's thresholds runs inside
-BUSIER_RATE, BUSIER_DURATION = 400.0, 1.5
+# always in flight and the server is never idle: what a policy leaves to the collector's thresholds runs inside.
+# on_idle is not called during it at all: a load generator that waits 10 ms for a core on a busy machine would
+# otherwise leave the server idle now and then, and a collection there may or may not postpone the full one
+# (the hidden test's busier load, 750 requests, caught one the self-check's 600 missed in one of three runs of
+# the test suite)
+BUSIER_RATE, BUSIER_DURATION, BUSIER_IDLE_AFTER = 400.0, 1.875, 3600.0
 MIN_IDLE_MOMENTS = 3        # fewer idle moments than this while the load ran: no chance to collect when idle
 
 
@@ -362,7 +366,8 @@ def run_policy_check(policy, rate: float = 250.0, duration: float = 3.5, heap_ob
         if progress:
             progress("serving a busier load: your policy, never idle ...")
         return measure("your policy, busier load", rate=BUSIER_RATE, duration=BUSIER_DURATION, settle=0.05, seed=seed,
-                       poisson=False, policy=policy, heap_objects=heap_objects, attribution="objects", device=device)
+                       poisson=False, policy=policy, heap_objects=heap_objects, attribution="objects", device=device,
+                       idle_after=BUSIER_IDLE_AFTER)
 
     def judged(runs, **extra):
         return PolicyReport(runs, pause_budget, garbage_fraction, acts_when_idle=acts_when_idle, **extra)

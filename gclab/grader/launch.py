@@ -107,7 +107,8 @@ def verdict_job(source_nb, submitted_nb, workdir: Path, hidden=(), notebook: str
             tests.append({"id": meta["grade_id"], "source": cell.source, "points": float(meta.get("points", 0))})
         elif meta.get("locked"):
             cells.append({"kind": "given", "id": meta.get("grade_id", "given"), "source": cell.source})
-    return {"token": secrets.token_hex(16), "workdir": str(workdir), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0", "notebook": notebook, "cells": cells, "tests": tests,
+    return {"token": secrets.token_hex(16), "workdir": str(workdir),
+            "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0", "notebook": notebook, "cells": cells, "tests": tests,
             "missing_answers": missing, "hidden": [str(h) for h in hidden],
             "copied_answers": {grade_id: len(copies) for grade_id, copies in answers.items() if len(copies) > 1},
             "tools": sorted(imported_tools(locked)), "answer_names": sorted(answer_names),
