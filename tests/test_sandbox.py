@@ -5,6 +5,7 @@ as a learner's code could without any trick (ctypes, torch), to reach past them.
 import ctypes
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -227,11 +228,12 @@ def test_every_process_left_inside_is_ended_with_the_verdict(tmp_path):
     os.close(write)
     left = int(os.read(read, 32))
     os.close(read)
-    namespace = sandbox.namespace_of(verdict)
+    namespace = sandbox.hold(verdict)
     os.waitpid(verdict, 0)
     assert _alive(left)
     assert sandbox.end_within(namespace) == [left]
-    assert sandbox.end_within(sandbox.namespace_of(os.getpid())) == [], "the grader's own namespace is never swept"
+    assert namespace.fd == -1, "the namespace is let go once swept"
+    assert sandbox.end_within(sandbox.hold(os.getpid())) == [], "the grader's own namespace is never swept"
     for _ in range(100):
         if not _alive(left):
             break
@@ -245,6 +247,41 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_held_namespace_keeps_its_number_from_the_verdicts_after_it():
+    """The kernel gives a freed namespace's number to the next one made: a sweep by number after the verdict
+    ended would kill another verdict's processes (one started beside it, with --jobs 2)."""
+    def new_namespaces_with_the_number_of_one_that_ended(held: bool) -> int:
+        ended = _in_new_user_namespace()
+        number, holding = sandbox.namespace_of(ended), sandbox.hold(ended) if held else None
+        os.kill(ended, signal.SIGKILL)
+        os.waitpid(ended, 0)
+        same = 0
+        for _ in range(50):
+            other = _in_new_user_namespace()
+            same += sandbox.namespace_of(other) == number
+            os.kill(other, signal.SIGKILL)
+            os.waitpid(other, 0)
+        if holding:
+            holding.close()
+        return same
+    # the kernel's habit, seen (another process making namespaces meanwhile may take the number first)
+    assert any(new_namespaces_with_the_number_of_one_that_ended(held=False) > 0 for _ in range(3))
+    assert new_namespaces_with_the_number_of_one_that_ended(held=True) == 0
+
+
+def _in_new_user_namespace() -> int:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        LIBC.unshare(0x10000000)
+        os.write(write, b"in")
+        time.sleep(30)
+        os._exit(0)
+    os.read(read, 2)
+    os.close(read), os.close(write)
+    return pid
 
 
 def test_the_grader_sees_for_itself_whether_a_process_is_walled_in(tmp_path):

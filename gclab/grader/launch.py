@@ -297,7 +297,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
             figures = {}
             if event == "ready":
                 watch.ready()
-                walled_in = sandbox.namespace_of(proc.pid)
+                walled_in = sandbox.hold(proc.pid)
                 if not sandbox.walled(proc.pid):
                     _say_once_unwalled(message.get("walls"))
             elif event == "start":

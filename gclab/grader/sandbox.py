@@ -33,7 +33,7 @@ import socket
 import struct
 import sys
 
-__all__ = ["available", "end_within", "enter", "namespace_of", "shield", "walled"]
+__all__ = ["Held", "available", "end_within", "enter", "hold", "namespace_of", "shield", "walled"]
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 _SIOCSIFFLAGS, _IFF_UP, _IFF_LOOPBACK, _IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
@@ -217,22 +217,50 @@ def walled(pid: int) -> bool:
     return int(capabilities, 16) == 0 and bool(root) and root[0][5].split(",")[0] == "ro"
 
 
-def end_within(namespace: int | None) -> list[int]:
-    """Kill every process in user namespace `namespace` or one nested in it, until none is left; the pids
-    killed.  Nothing where `namespace` is None or the caller's own (a verdict that could not `enter`)."""
-    if namespace is None or namespace == namespace_of(os.getpid()):
+class Held:
+    """A process's user namespace, held open: while it is, the kernel gives its number to no other
+    namespace (a number freed when the last process in it ends is soon another verdict's)."""
+
+    def __init__(self, pid: int):
+        self.fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
+        self.inode = os.fstat(self.fd).st_ino
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def hold(pid: int) -> Held | None:
+    """Process `pid`'s user namespace, held (see Held); None if the process has gone."""
+    try:
+        return Held(pid)
+    except OSError:
+        return None
+
+
+def end_within(held: Held | None) -> list[int]:
+    """Kill every process in the held user namespace or one nested in it, until none is left, then let the
+    namespace go; the pids killed.  Nothing where it is None or the caller's own (a verdict that could not
+    `enter`)."""
+    if held is None:
         return []
     killed = []
-    for _ in range(100):
-        found = [pid for pid in _pids() if pid not in killed and _descends_from(pid, namespace)]
-        if not found:
-            break
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        killed += found
+    try:
+        if held.inode == namespace_of(os.getpid()):
+            return []
+        for _ in range(100):
+            found = [pid for pid in _pids() if pid not in killed and _descends_from(pid, held.inode)]
+            if not found:
+                break
+            for pid in found:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            killed += found
+    finally:
+        held.close()
     return killed
 
 
