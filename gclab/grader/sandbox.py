@@ -95,6 +95,8 @@ def enter(workdir: str, hidden=(), keep=()) -> str | None:
         _drop_capabilities()
     except Refused as refused:
         return f"the kernel refused the grader's walls ({refused.strerror})"
+    except OSError as error:          # a folder to keep that cannot be opened, a mount point not made
+        return f"the grader's walls could not be built ({error})"
     return None
 
 
