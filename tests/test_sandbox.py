@@ -125,16 +125,13 @@ def test_code_inside_has_a_network_of_its_own_loopback_alone(tmp_path):
 def test_the_graders_load_joins_the_network_of_a_server_behind_the_walls(tmp_path):
     from gclab.serving.processes import join_network_of
     course, folder = _course(tmp_path)
-    read, write = os.pipe()
-    server = os.fork()
-    if server == 0:
-        sandbox.enter(str(folder), hidden=[str(course)])
+
+    def serve(write):
         with socket.create_server(("127.0.0.1", 0)) as listening:
             os.write(write, str(listening.getsockname()[1]).encode())
             listening.settimeout(10)
             listening.accept()[0].close()
-        os._exit(0)
-    port = int(os.read(read, 16))
+    server, port = _walled_child(course, folder, serve)
 
     def send(join: bool):
         if join:
@@ -149,7 +146,20 @@ def test_the_graders_load_joins_the_network_of_a_server_behind_the_walls(tmp_pat
         assert _in_child(send, True) == {"reached": True}
     finally:
         os.waitpid(server, 0)
-        os.close(read), os.close(write)
+
+
+def _walled_child(course, folder, body) -> tuple[int, int]:
+    """Fork a child that enters the walls and runs body(write), which writes a number on `write` (then may
+    wait): the child's pid and that number."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        sandbox.enter(str(folder), hidden=[str(course)])
+        body(write)
+        os._exit(0)
+    number = int(os.read(read, 32))
+    os.close(read), os.close(write)
+    return pid, number
 
 
 def test_the_walls_cannot_be_taken_down_from_inside(tmp_path):
@@ -215,19 +225,14 @@ def _ptrace_scope() -> int:
 
 def test_every_process_left_inside_is_ended_with_the_verdict(tmp_path):
     course, folder = _course(tmp_path)
-    read, write = os.pipe()
-    verdict = os.fork()
-    if verdict == 0:
-        sandbox.enter(str(folder), hidden=[str(course)])
+
+    def leave_one_behind(write):
         if os.fork() == 0:                  # left behind, in a session of its own, nested a namespace deeper
             os.setsid()
             LIBC.unshare(0x10000000)
             os.write(write, str(os.getpid()).encode())
             time.sleep(60)
-        os._exit(0)
-    os.close(write)
-    left = int(os.read(read, 32))
-    os.close(read)
+    verdict, left = _walled_child(course, folder, leave_one_behind)
     namespace = sandbox.hold(verdict)
     os.waitpid(verdict, 0)
     assert _alive(left)
