@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from gclab import procfs
 from gclab.grader import measured
 
@@ -166,6 +168,24 @@ def test_calls_missing_or_added_refute_a_pass():
     why = measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with([0.001] * 19), ref, price)
     assert "the grader timed 19 calls" in why and "makes 20" in why
     assert "timed 0 calls" in measured.confirm("passed", [["s", [1.0, 2.0]]], _mine_with([]), ref, price)
+
+
+def test_a_collection_is_priced_at_the_processs_own_figure_where_the_references_ran_slower():
+    """Measured on the toy band-aid lesson: the same full collection cost 3.6 to 12.4 ms of CPU time from one
+    run to the next; a reference priced at 10 ms let calls that collected in 3.1 to 3.7 ms pass as clean."""
+    slow_reference = {"full_collection_cpu_s": 0.010}
+    assert measured.collection_price(slow_reference, {"full_collection_cpu_s": 0.004}) == 0.004
+    assert measured.collection_price(slow_reference, {"full_collection_cpu_s": 0.030}) == 0.010
+
+
+def test_a_process_that_prices_its_collections_near_nothing_or_not_at_all_is_priced_at_the_floor():
+    """Frozen objects collect for almost nothing, and a process may skip saying its price: a third of the
+    reference's keeps the rule, and the room a right answer's noisy calls need."""
+    reference = {"full_collection_cpu_s": 0.009}
+    assert measured.collection_price(reference, {"full_collection_cpu_s": 0.0001}) == pytest.approx(0.003)
+    assert measured.collection_price(reference, {}) == pytest.approx(0.003)
+    assert measured.collection_price({}, {"full_collection_cpu_s": 0.004}) is None
+
 
 def test_memory_that_grew_between_tests_is_measured_apart_from_the_tests():
     whole = {"rss_growth": 300 * MiB}

@@ -360,7 +360,7 @@ def reference_figures(root: Path, assignment: str, notebook: str, source_nb, con
 def _confirm(result: NotebookResult, reference: dict) -> None:
     """A test the learner's process says passed keeps its point only where the grader's figures agree;
     where they do not, the test fails saying so, and the submission is flagged for review."""
-    price = (reference.get("run") or {}).get("full_collection_cpu_s")
+    price = measured.collection_price(reference.get("run") or {}, result.measured)
     for test in result.tests:
         why = measured.confirm(test.status, test.observed, test.measured, reference["tests"].get(test.id), price)
         if why:

@@ -92,7 +92,7 @@ class Watch:
                                "stretches": [round(x, 6) for x in busy_stretches(rows)]})
 
     def price(self) -> None:
-        """Either side of the full collection the verdict process runs after its tests."""
+        """Between the full collections the verdict process runs before its tests (their price)."""
         self.prices.append(procfs.cpu_ns(procfs.session_members(self.sid)))
 
     def result(self, test_id: str) -> dict:
@@ -116,7 +116,8 @@ class Watch:
             self.final = self._read()
         figures = {**_between(self.first, self.final, self.peak), "answers": self.answers}
         if len(self.prices) >= 2:
-            figures["full_collection_cpu_s"] = (self.prices[-1] - self.prices[-2]) / 1e9
+            figures["full_collection_cpu_s"] = statistics.median(
+                (b - a) / 1e9 for a, b in zip(self.prices, self.prices[1:]))
         return figures
 
 
@@ -168,7 +169,7 @@ def confirm(status: str, observed, measured: dict, reference_test: dict | None,
             price: float | None = None) -> str | None:
     """None where the grader's own figures confirm a test the learner's process says `status`
     "passed"; else why not, in words a learner can read.  `price`: the CPU seconds a full collection
-    took in the reference's process (see `calls_disagree`)."""
+    is taken to cost (see `collection_price`)."""
     if status != "passed":
         return None
     if not reference_test or reference_test.get("status") != "passed":
@@ -188,6 +189,22 @@ def confirm(status: str, observed, measured: dict, reference_test: dict | None,
     return (_figures_disagree(measured, ref, TEST_SLACK, "over the test")
             or calls_disagree(measured.get("calls") or [], ref.get("calls") or [], price)
             or loads_disagree(measured.get("loads") or [], ref.get("loads") or []))
+
+
+PRICE_FLOOR = 1 / 3
+
+
+def collection_price(reference_run: dict, own_run: dict) -> float | None:
+    """The CPU seconds a full collection is taken to cost by `calls_disagree`: the reference solution's
+    price, or the graded process's own where lower, but not below a third of the reference's.  The own
+    price is taken in the same process moments before its calls, so a machine that ran slower for the
+    reference's run than for this one does not hide a collection inside a call; a process can only lower
+    it, against itself (one that does not say it is priced at the floor); the floor leaves a process
+    whose objects are frozen (which collects for almost nothing) the room its calls' noise needs."""
+    reference = reference_run.get("full_collection_cpu_s")
+    if not reference:
+        return None
+    return max(min(reference, own_run.get("full_collection_cpu_s") or 0.0), reference * PRICE_FLOOR)
 
 
 def calls_disagree(calls: list, ref_calls: list, price: float | None) -> str | None:
