@@ -376,6 +376,13 @@ if _libc.fork() == 0:
     _libc._exit(0)
 """
 
+# A wrong answer that kills the grader, whose number it was given (another submission graded beside it, or the
+# instructor's JupyterLab, are as easily found in the machine's /proc): the grading of the class would stop.
+KILLS_THE_GRADER = WRONG_DOUBLE + """
+import ctypes
+ctypes.CDLL(None).kill({grader}, 9)
+"""
+
 
 @pytest.fixture(scope="module")
 def graded_behind_walls(tmp_path_factory):
@@ -391,6 +398,7 @@ def graded_behind_walls(tmp_path_factory):
     attacks = {"cheat_reads_the_solution_through_libc": READS_THE_SOLUTION.format(course=course),
                "cheat_plants_its_outputs_as_the_references": PLANTS_ITS_OUTPUTS_AS_THE_REFERENCES.format(course=course),
                "cheat_leaves_a_process_behind": LEAVES_A_PROCESS_BEHIND.format(name=left_behind),
+               "cheat_kills_the_grader": KILLS_THE_GRADER.format(grader=os.getpid()),
                "wrong": WRONG_DOUBLE}
     paths = {}
     for name, answer in attacks.items():
@@ -422,6 +430,15 @@ def test_no_process_of_the_learners_outlives_the_grading(graded_behind_walls):
     result = graded["cheat_leaves_a_process_behind"]
     assert result.score == 2, grading.format_results([result])
     assert not _running_as(left_behind), f"processes the submission started are still running: {_running_as(left_behind)}"
+
+
+def test_the_learners_code_cannot_signal_the_grader(graded_behind_walls):
+    """Graded in this process: had the signal reached it, no test would run on; the submission after it in
+    the class is graded as well."""
+    graded, _, _ = graded_behind_walls
+    result = graded["cheat_kills_the_grader"]
+    assert result.score == 0 and result.tests[0].status == "failed", grading.format_results([result])
+    assert graded["wrong"].tests[0].status == "failed", "the next submission is graded"
 
 
 def _running_as(name: str) -> list[str]:

@@ -162,6 +162,99 @@ def _walled_child(course, folder, body) -> tuple[int, int]:
     return pid, number
 
 
+def test_code_inside_can_name_no_process_outside_so_signal_none(tmp_path):
+    """The grader, a verdict graded beside it, the instructor's JupyterLab: a process of the same user, which
+    a signal from a learner's code (through libc: no audit hook sees it) would end."""
+    course, folder = _course(tmp_path)
+    grader = os.getpid()
+
+    def signal_out():
+        return {"kill": ctypes.get_errno() if LIBC.kill(grader, 0) else 0, "pidfd": _pidfd_errno(grader),
+                "listed": sorted(int(name) for name in os.listdir("/proc") if name.isdigit()), "me": os.getpid()}
+    out = _walled(course, folder, signal_out)
+    assert out == {"why": None, "kill": 3, "pidfd": 3, "listed": [1], "me": 1}, out     # ESRCH
+
+
+def _pidfd_errno(pid: int) -> int:
+    try:
+        os.close(os.pidfd_open(pid))
+        return 0
+    except OSError as error:
+        return error.errno
+
+
+def test_sockets_the_machine_keeps_are_out_of_reach_and_shared_memory_is_its_own(tmp_path):
+    """A socket is reached through a read-only mount, and some run commands (a terminal multiplexer's, the
+    user's systemd): the folders that keep them (/tmp here) are hidden, but for the grading folder."""
+    course, folder = _course(tmp_path)
+    (tmp_path / "sockets").mkdir()
+    with socket.socket(socket.AF_UNIX) as multiplexer:
+        multiplexer.bind(str(tmp_path / "sockets" / "default"))
+        multiplexer.listen()
+
+        def reach():
+            out = {}
+            with socket.socket(socket.AF_UNIX) as client:
+                try:
+                    client.connect(str(tmp_path / "sockets" / "default"))
+                    out["socket"] = "reached"
+                except OSError as error:
+                    out["socket"] = error.errno
+            out["shm"] = sorted(os.listdir("/dev/shm"))
+            out["shm write"] = _create("/dev/shm/mine")
+            return out
+        out = _walled(course, folder, reach)
+    assert out == {"why": None, "socket": 2, "shm": [], "shm write": 0}, out        # ENOENT
+    assert not os.path.exists("/dev/shm/mine")
+
+
+def test_the_users_home_is_hidden_but_for_what_the_verdict_loads_from_it(tmp_path, monkeypatch):
+    """Keys and tokens (~/.ssh, ~/.jupyter) that an answer could raise in an error's message, which its
+    feedback shows; a Python environment or user site-packages there stays."""
+    course, folder = _course(tmp_path)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("a key")
+    (home / ".local" / "site-packages").mkdir(parents=True)
+    monkeypatch.setattr(sandbox, "_home", lambda: str(home))
+
+    def look():
+        why = sandbox.enter(str(folder), hidden=[str(course)], keep=[str(home / ".local" / "site-packages")])
+        return {"why": why, "home": sorted(os.listdir(home)), "key": os.path.exists(home / ".ssh" / "id_ed25519"),
+                "site": os.path.isdir(home / ".local" / "site-packages")}
+    assert _in_child(look) == {"why": None, "home": [".local"], "key": False, "site": True}
+
+
+def test_the_grader_finds_the_process_the_verdict_names_by_its_number_inside(tmp_path):
+    """Lesson 06's model server, which the verdict names to the grader for its load: numbered inside."""
+    from gclab import procfs
+    course, folder = _course(tmp_path)
+
+    def start_a_server(write):
+        if os.fork() == 0:
+            os.write(write, str(os.getpid()).encode())
+            time.sleep(60)
+        time.sleep(60)
+    read, write = os.pipe()
+    verdict = os.fork()
+    if verdict == 0:
+        os.setsid()                          # a verdict leads a session of its own
+        sandbox.enter(str(folder), hidden=[str(course)])
+        start_a_server(write)
+        os._exit(0)
+    try:
+        inside = int(os.read(read, 32))
+        server = procfs.member_numbered(verdict, inside)
+        assert inside == 2 and server not in (None, verdict, inside), server
+        with open(f"/proc/{server}/status") as status:
+            assert next(line for line in status if line.startswith("NSpid:")).split()[1:] == [str(server), "2"]
+        assert procfs.member_numbered(verdict, 99) is None
+    finally:
+        os.kill(verdict, signal.SIGTERM)
+        os.waitpid(verdict, 0)
+        os.close(read), os.close(write)
+
+
 def test_the_walls_cannot_be_taken_down_from_inside(tmp_path):
     course, folder = _course(tmp_path)
     ms_remount, ms_bind, ms_rec = 32, 4096, 16384
@@ -179,7 +272,9 @@ def test_the_walls_cannot_be_taken_down_from_inside(tmp_path):
     assert out["write"] != 0 and not (tmp_path / "beside").exists()
 
 
-def test_a_shielded_grader_can_be_neither_read_nor_traced_from_inside(tmp_path):
+def test_no_process_outside_can_be_read_or_traced_from_inside_shielded_or_not(tmp_path):
+    """Inside, the grader has no number (ENOENT in /proc, ESRCH for the system call); a process of the same
+    user that is not shielded (the instructor's JupyterLab, a verdict graded beside it) neither."""
     course, folder = _course(tmp_path)
 
     def grader(shielded: bool, walled: bool):
@@ -197,7 +292,8 @@ def test_a_shielded_grader_can_be_neither_read_nor_traced_from_inside(tmp_path):
             out["process_vm_readv"] = _read_memory_of(me, id(None), 8)
             return out
         return _in_child(reach)
-    assert _in_child(grader, True, True) == {"why": None, "mem": 13, "process_vm_readv": 1}      # EACCES, EPERM
+    assert _in_child(grader, True, True) == {"why": None, "mem": 2, "process_vm_readv": 3}       # ENOENT, ESRCH
+    assert _in_child(grader, False, True) == {"why": None, "mem": 2, "process_vm_readv": 3}
     if _ptrace_scope() == 0:
         # the same reach, without the walls and the shield, succeeds on this machine: the check can fail
         assert _in_child(grader, False, False) == {"why": None, "mem": "opened", "process_vm_readv": 0}
@@ -230,28 +326,51 @@ def test_every_process_left_inside_is_ended_with_the_verdict(tmp_path):
         if os.fork() == 0:                  # left behind, in a session of its own, nested a namespace deeper
             os.setsid()
             LIBC.unshare(0x10000000)
-            os.write(write, str(os.getpid()).encode())
+            os.write(write, b"1")
             time.sleep(60)
-    verdict, left = _walled_child(course, folder, leave_one_behind)
+        time.sleep(60)                      # the verdict, until the grader ends it
+    verdict, _ = _walled_child(course, folder, leave_one_behind)
     namespace = sandbox.hold(verdict)
+    left = [pid for pid in sandbox._pids() if pid != verdict and sandbox._descends_from(pid, namespace.inode)]
+    assert len(left) == 2 and all(sandbox._runs(pid) for pid in left), "the verdict, and the one it left"
+    os.kill(verdict, signal.SIGTERM)         # as the grader ends a verdict
     os.waitpid(verdict, 0)
-    assert _alive(left)
-    assert sandbox.end_within(namespace) == [left]
-    assert namespace.fd == -1, "the namespace is let go once swept"
-    assert sandbox.end_within(sandbox.hold(os.getpid())) == [], "the grader's own namespace is never swept"
     for _ in range(100):
-        if not _alive(left):
+        if not any(sandbox._runs(pid) for pid in left):
             break
         time.sleep(0.02)
-    assert not _alive(left)
+    assert not any(sandbox._runs(pid) for pid in left), "the kernel ended them with the verdict"
+    assert sandbox.end_within(namespace) == []
+    assert namespace.fd == -1, "the namespace is let go once swept"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def test_the_sweep_ends_what_is_left_in_the_verdicts_user_namespace_when_it_has_ended():
+    """What the kernel's PID namespace would not end (a process of the verdict's user namespace outside it)."""
+    read, write = os.pipe()
+    verdict = os.fork()
+    if verdict == 0:
+        LIBC.unshare(0x10000000)
+        if os.fork() == 0:                  # left behind, in a session of its own, nested a namespace deeper
+            os.setsid()
+            LIBC.unshare(0x10000000)
+            os.write(write, str(os.getpid()).encode())
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(60)
+        os._exit(0)
+    left = int(os.read(read, 32))
+    os.close(read), os.close(write)
+    namespace = sandbox.hold(verdict)
+    os.kill(verdict, signal.SIGKILL)
+    os.waitpid(verdict, 0)
+    assert sandbox._runs(left)
+    assert sandbox.end_within(namespace) == [left]
+    assert sandbox.end_within(sandbox.hold(os.getpid())) == [], "the grader's own namespace is never swept"
+    for _ in range(100):
+        if not sandbox._runs(left):
+            break
+        time.sleep(0.02)
+    assert not sandbox._runs(left)
 
 
 def test_a_held_namespace_keeps_its_number_from_the_verdicts_after_it():
@@ -321,7 +440,8 @@ def test_a_process_with_threads_is_told_why_it_cannot_be_walled_in(tmp_path):
         finally:
             stop.set()
     out = _in_child(with_a_thread)
-    assert out["why"].startswith("the kernel refused the grader's walls (a user, mount and network namespace: "), out
+    assert out["why"].startswith("the kernel refused the grader's walls (a user, mount, network, IPC and PID "
+                                 "namespace: "), out
     assert out["write"] == 0, "nothing half built: the process runs as before, behind the guard alone"
 
 

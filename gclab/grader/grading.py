@@ -13,8 +13,8 @@ or on a Dask cluster, nbgrader's Autograde button through `gclab.grader.preproce
 2. A verdict process runs the lesson's set-up, given and test cells with the learner's answer cells in
    their places (`gclab.grader.launch`): forked from the grader's zygote server, which imported the
    instruments once, in a session of its own, within a memory limit, behind the kernel's walls
-   (`gclab.grader.sandbox`: nothing writable but its folder, the course hidden, no network, no
-   capability), its own state guarded (`gclab.guard`).  The learner's code runs there and nowhere else.  The grader reads its
+   (`gclab.grader.sandbox`: nothing writable but its folder, the course hidden, no network, no process
+   outside its own to name, no capability), its own state guarded (`gclab.guard`).  The learner's code runs there and nowhere else.  The grader reads its
    results on a channel, interrupts a runaway cell, and takes its own readings of the process at every
    step.
 3. That process reports; it never decides.  A "passed" keeps its point only where the grader's own

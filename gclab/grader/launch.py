@@ -364,7 +364,10 @@ def _send_load(watch: measured.Watch, argv, server) -> list:
         return []
     if (args.command != "load" or not re.fullmatch(r"http://127\.0\.0\.1:\d+", args.url) or not 0 < args.count <= 20_000
             or not 0 < args.rate <= 10_000 or not 0 < args.timeout <= 300 or not 0 <= args.lull <= 5
-            or args.burst < 0 or server not in procfs.session_members(watch.sid)):
+            or args.burst < 0):
+        return []
+    server = procfs.member_numbered(watch.sid, server)      # as the grader numbers it
+    if server is None:
         return []
     load = ["load", args.url, "--rate", str(args.rate), "--count", str(args.count), "--seed", str(args.seed),
             "--timeout", str(args.timeout), "--burst", str(args.burst), "--lull", str(args.lull),

@@ -5,18 +5,27 @@ the course: a refusal that code in that process can walk around (ctypes' `open`,
 over the guard's own memory).  These walls are the kernel's, set before the learner's code runs:
 
 - `enter`, in the verdict process: namespaces of its own.  A network one, with its own loopback and nothing
-  else (no gradebook server, no Dask scheduler, no other machine).  A mount one, in which every file system
-  is read-only but the grading folder, and the course's folders (`hidden`: its solutions, hidden tests, the
-  reference's figures, the gradebook) are empty but for what the grader's tools load from them (gclab, the
-  Python environment).  A user one, whose every capability is then dropped, so that the walls cannot be
-  taken down again from inside (nor from a namespace made anew: the read-only flags of mounts handed to a
-  less privileged namespace are locked), nor the grader's memory read or written (`shield`);
+  else (no gradebook server, no Dask scheduler, no other machine).  A PID one, with a /proc of its own, in
+  which the learner's code runs as the first process: it can name no process outside, so it can signal none
+  (the grader, a verdict graded beside it, the instructor's JupyterLab), trace none, open no other's memory.
+  A mount one, in which every file system is read-only but the grading folder, and the course's folders
+  (`hidden`: its solutions, hidden tests, the reference's figures, the gradebook) are empty but for what the
+  grader's tools load from them (gclab, the Python environment), and so are the user's home (keys, tokens)
+  and the folders where the machine's programs keep their sockets (/tmp, /var/tmp, /run: a socket is
+  reached through a read-only mount, and some, such as a terminal multiplexer's, run commands); /dev/shm is
+  a small one of its own.  An IPC one.  A
+  user one, whose every capability is then dropped, so that the walls cannot be taken down again from
+  inside (nor from a namespace made anew: the read-only flags of mounts handed to a less privileged
+  namespace are locked), nor the grader's memory read or written (`shield`);
 - `shield`, in the grader and its zygotes: not dumpable (Linux's PR_SET_DUMPABLE), so that a process of the
   same user without CAP_SYS_PTRACE over the machine (the learner's, behind `enter`) can neither trace it nor
   open its memory (`/proc/PID/mem`, `process_vm_writev`);
-- `end_within`: every process left in the verdict's user namespace or one nested in it (a child the
-  learner's code forked through ctypes, in a session of its own, waiting to rewrite the gradebook) killed
-  when the verdict ends.
+- `end_within`: every process left in the verdict's user namespace or one nested in it killed when the
+  verdict ends (the kernel ends a PID namespace's processes with its first; this covers any other way out).
+
+The process that enters stays outside the PID namespace (the grader's handle on the verdict: its session,
+its signals): it forks the namespace's first process, which returns from `enter` and goes on as the
+verdict, while it waits for it with no capability, passes the grader's interrupts on, and ends as it ends.
 
 Linux only.  Where the kernel refuses user namespaces (Ubuntu 24.04's AppArmor, for one: sysctl
 `kernel.apparmor_restrict_unprivileged_userns=0` allows them), `enter` says why and the verdict runs as
@@ -35,14 +44,19 @@ import sys
 
 __all__ = ["Held", "available", "end_within", "enter", "hold", "namespace_of", "shield", "walled"]
 
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET, _CLONE_NEWPID, _CLONE_NEWIPC = (
+    0x00020000, 0x10000000, 0x40000000, 0x20000000, 0x08000000)
 _SIOCSIFFLAGS, _IFF_UP, _IFF_LOOPBACK, _IFF_RUNNING = 0x8914, 0x1, 0x8, 0x40
-_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 _MOUNT_ATTR_RDONLY, _AT_RECURSIVE, _AT_FDCWD = 0x1, 0x8000, -100
 _SYS_MOUNT_SETATTR = 442                    # the same number on x86-64 and arm64
-_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 38, 47, 4
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 24, 38, 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _NS_GET_PARENT = 0xB702                     # _IO(0xb7, 0x2)
+# where the machine's programs keep their sockets (a terminal multiplexer's, the user's systemd, X11's, an
+# agent's): hidden as the course is, but for the grading folder and the tools kept; /dev/shm made anew
+SOCKET_FOLDERS = ("/tmp", "/var/tmp", "/run")
+SHARED_MEMORY, SHARED_MEMORY_SIZE = "/dev/shm", "64m"
 
 
 class _MountAttr(ctypes.Structure):
@@ -82,7 +96,8 @@ def shield() -> None:
 def enter(workdir: str, hidden=(), keep=()) -> str | None:
     """Wall this process in (see the module's docstring): None once it is, else why not, in a sentence.
     Call it while the process has one thread (the kernel's rule for a new user namespace), before any of
-    the learner's code runs.  `keep`: folders under `hidden` that stay visible (read-only)."""
+    the learner's code runs.  `keep`: folders under `hidden` that stay visible (read-only), beside this
+    Python's own (its environment, its standard library, the user's site-packages)."""
     if _LIBC is None:
         return "the grader's walls need Linux"
     # dumpable again first: the grader reads this process (/proc/PID/clear_refs), and a process may write
@@ -90,8 +105,10 @@ def enter(workdir: str, hidden=(), keep=()) -> str | None:
     _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
     try:
         _own_namespaces()
-        _hide(hidden, keep, workdir)
-        _read_only_but(workdir)
+        _hide([*hidden, *SOCKET_FOLDERS, _home()], [*keep, *_python_folders()], workdir)
+        _first_of_a_pid_namespace()
+        _proc_and_shared_memory_of_its_own()
+        _read_only_but(workdir, SHARED_MEMORY)
         _drop_capabilities()
     except Refused as refused:
         return f"the kernel refused the grader's walls ({refused.strerror})"
@@ -101,11 +118,12 @@ def enter(workdir: str, hidden=(), keep=()) -> str | None:
 
 
 def _own_namespaces() -> None:
-    """A user, a mount and a network namespace of this process's own: the capability to mount, over these
-    mounts alone, changes that reach no other process, and a network of its own loopback alone.  The same
-    ids inside as outside."""
+    """A user, a mount, a network and an IPC namespace of this process's own, and a PID one for its children:
+    the capability to mount, over these mounts alone, changes that reach no other process, and a network of
+    its own loopback alone.  The same ids inside as outside."""
     uid, gid = os.geteuid(), os.getegid()
-    _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET), "a user, mount and network namespace")
+    _check(_LIBC.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWPID),
+           "a user, mount, network, IPC and PID namespace")
     _map_ids(uid, gid)
     _check(_LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
     _loopback_up()
@@ -159,12 +177,84 @@ def _hide(hidden, keep, workdir: str) -> None:
                 os.close(handle)
 
 
-def _read_only_but(workdir: str) -> None:
-    """Every mount read-only, recursively; the grading folder a writable mount of its own."""
+def _python_folders() -> list[str]:
+    import site
+    return [sys.prefix, sys.base_prefix, sys.exec_prefix, site.getusersitepackages()]
+
+
+def _home() -> str:
+    """The user's home as the system has it (the verdict's HOME is its grading folder): keys, tokens,
+    other courses."""
+    import pwd
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        return "/nonexistent"
+    return home if home not in ("", "/") else "/nonexistent"
+
+
+def _first_of_a_pid_namespace() -> None:
+    """Fork the first process of the PID namespace this one made for its children: it returns, and goes on
+    as the verdict; this one (the grader's handle on the verdict) never does (`_wait_outside`)."""
+    dropped, said = os.pipe()
+    first = os.fork()
+    if first == 0:
+        os.close(said)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)      # ended with the process outside
+        if not os.read(dropped, 1):
+            os._exit(1)                      # which has already gone
+        os.close(dropped)
+        return
+    os.close(dropped)
+    _wait_outside(first, said)
+
+
+def _wait_outside(first: int, said: int) -> None:
+    """The process outside the PID namespace, once it has forked its first: no capability (the grader sees
+    it walled in as well: `walled`), the grader's interrupts passed on (as nbgrader interrupts a runaway
+    cell), and an end as the first process's.  The grader's SIGTERM ends it, and the first process with it."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)      # its child's end is waited for, not discarded
+        try:
+            _drop_capabilities()
+        except Refused:
+            pass                             # the grader sees it is not walled in, and says so
+        os.write(said, b"\0")
+        os.close(said)
+        signal.signal(signal.SIGINT, lambda *_: _pass_on(first, signal.SIGINT))
+        status = os.waitpid(first, 0)[1]
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    finally:
+        os._exit(code)
+
+
+def _pass_on(pid: int, signal_number: int) -> None:
+    try:
+        os.kill(pid, signal_number)
+    except OSError:
+        pass                                 # it has just ended
+
+
+def _proc_and_shared_memory_of_its_own() -> None:
+    """A /proc that lists this PID namespace's processes alone (the machine's would name the others, and
+    open their memory); an empty /dev/shm of its own, small."""
+    _check(_LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "a /proc of its own")
+    if os.path.isdir(SHARED_MEMORY):
+        _check(_LIBC.mount(b"tmpfs", os.fsencode(SHARED_MEMORY), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                           f"size={SHARED_MEMORY_SIZE},mode=1777".encode()), "a /dev/shm of its own")
+
+
+def _read_only_but(workdir: str, *writable: str) -> None:
+    """Every mount read-only, recursively; the grading folder a writable mount of its own, and `writable`
+    (mounts this namespace made) writable again."""
     folder = os.fsencode(os.path.realpath(workdir))
     _check(_LIBC.mount(folder, folder, None, _MS_BIND | _MS_REC, None), "the grading folder")
     _set_attr(b"/", _AT_RECURSIVE, set_=_MOUNT_ATTR_RDONLY, step="read-only mounts")
     _set_attr(folder, 0, clear=_MOUNT_ATTR_RDONLY, step="a writable grading folder")
+    for path in writable:
+        if os.path.isdir(path):
+            _set_attr(os.fsencode(path), 0, clear=_MOUNT_ATTR_RDONLY, step=f"a writable {path}")
 
 
 def _set_attr(path: bytes, flags: int, set_: int = 0, clear: int = 0, step: str = "") -> None:
@@ -206,10 +296,13 @@ def namespace_of(pid: int) -> int | None:
 
 def walled(pid: int) -> bool:
     """Whether process `pid` runs behind the walls, as the system shows it: in a user namespace other than
-    the caller's, with no capability, its root mounted read-only."""
+    the caller's, with no capability, its children in a PID namespace of their own, its root mounted
+    read-only."""
     if namespace_of(pid) in (None, namespace_of(os.getpid())):
         return False
     try:
+        if os.stat(f"/proc/{pid}/ns/pid_for_children").st_ino == os.stat(f"/proc/{pid}/ns/pid").st_ino:
+            return False
         with open(f"/proc/{pid}/status") as status:
             capabilities = next((line.split()[1] for line in status if line.startswith("CapEff:")), "1")
         with open(f"/proc/{pid}/mountinfo") as mounts:
@@ -252,7 +345,7 @@ def end_within(held: Held | None) -> list[int]:
         if held.inode == namespace_of(os.getpid()):
             return []
         for _ in range(100):
-            found = [pid for pid in _pids() if pid not in killed and _descends_from(pid, held.inode)]
+            found = [pid for pid in _pids() if pid not in killed and _descends_from(pid, held.inode) and _runs(pid)]
             if not found:
                 break
             for pid in found:
@@ -268,6 +361,15 @@ def end_within(held: Held | None) -> list[int]:
 
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _runs(pid: int) -> bool:
+    """Not ended (an ended process waits, as a zombie, to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _descends_from(pid: int, namespace: int) -> bool:

@@ -279,8 +279,7 @@ def _wall_in(job: dict) -> str | None:
     from . import sandbox
     if not job.get("walls", True):
         return "the grader was told to build none (GCLAB_GRADE_WALLS=0)"
-    keep = [os.path.dirname(gclab.__file__), sys.prefix, sys.base_prefix, sys.exec_prefix]
-    return sandbox.enter(job["workdir"], hidden=job.get("hidden", ()), keep=keep)
+    return sandbox.enter(job["workdir"], hidden=job.get("hidden", ()), keep=[os.path.dirname(gclab.__file__)])
 
 
 def _initialise_cuda() -> None:
