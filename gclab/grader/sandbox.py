@@ -7,7 +7,8 @@ over the guard's own memory).  These walls are the kernel's, set before the lear
 - `enter`, in the verdict process: namespaces of its own.  A network one, with its own loopback and nothing
   else (no gradebook server, no Dask scheduler, no other machine).  A PID one, with a /proc of its own, in
   which the learner's code runs as the first process: it can name no process outside, so it can signal none
-  (the grader, a verdict graded beside it, the instructor's JupyterLab), trace none, open no other's memory.
+  (the grader, a verdict graded beside it, the instructor's JupyterLab; tracing one, or opening its memory,
+  the user namespace below already refuses).
   A mount one, in which every file system is read-only but the grading folder, and the course's folders
   (`hidden`: its solutions, hidden tests, the reference's figures, the gradebook) are empty but for what the
   grader's tools load from them (gclab, the Python environment), and so are the user's home (keys, tokens)
