@@ -52,13 +52,11 @@ def student_variant(release: Path, answers) -> nbformat.NotebookNode:
 
 
 class Graded(dict):
-    """name -> NotebookResult, the folder where what the students get back was written, and
-    name -> the submission graded."""
+    """name -> NotebookResult, and the folder where what the students get back was written."""
 
-    def __init__(self, results, folder: Path, paths: dict | None = None):
+    def __init__(self, results, folder: Path):
         super().__init__(results)
         self.folder = folder
-        self.paths = dict(paths or {})
 
 
 def grade_all(paths: dict, folder: Path) -> Graded:
@@ -68,7 +66,7 @@ def grade_all(paths: dict, folder: Path) -> Graded:
     submissions = [classroom.Submission(name, grading.assignment_of(paths[name], ROOT)[0], paths[name])
                    for name in names]
     settings = classroom.settings_for(ROOT, out=folder / "graded", db_url=f"sqlite:///{folder / 'gradebook.db'}")
-    return Graded(zip(names, classroom.grade_class(submissions, settings, jobs=2)), folder / "graded", paths)
+    return Graded(zip(names, classroom.grade_class(submissions, settings, jobs=2)), folder / "graded")
 
 
 def passed_visibly(test) -> bool:

@@ -39,8 +39,12 @@ MiB = 1024 * 1024
 WORK_FRACTION = 0.2          # of the reference's CPU time a test must at least spend ...
 WORK_FLOOR_S = 0.05          # ... where the reference spends at least this much
 # memory a test (or the whole run) may take beyond the reference's: a fixed slack for the allocator's
-# and the interpreter's own noise, plus a share of what the reference itself grew
-TEST_SLACK, RUN_SLACK, SHARE = 24 * MiB, 48 * MiB, 0.25
+# and the interpreter's own noise, plus a share of what the reference itself grew.  A test's slack is what
+# glibc may keep of one freed block: after an mmapped block is freed it serves blocks that size from its
+# heap, which it need not give back, up to 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX); measured, lesson 00's
+# 24 MiB seed tensor, freed, stayed resident 0 to 5 MiB in the reference's run and 23.1 to 24.1 MiB in a
+# right answer's, which a 24 MiB slack failed 4 times in 6
+TEST_SLACK, RUN_SLACK, SHARE = 32 * MiB, 48 * MiB, 0.25
 CALL_FACTOR = 2              # a call may take this many times the reference's same call, plus half a collection
 STRETCH_FLOOR_S = 0.010      # the least "longest stretch" of a reference's server that a load is judged against
 
