@@ -14,10 +14,10 @@ over the guard's own memory).  These walls are the kernel's, set before the lear
   grader's tools load from them (gclab, the Python environment), and so are the user's home (keys, tokens)
   and the folders where the machine's programs keep their sockets (/tmp, /var/tmp, /run: a socket is
   reached through a read-only mount, and some, such as a terminal multiplexer's, run commands); /dev/shm is
-  a small one of its own.  An IPC one.  A
-  user one, whose every capability is then dropped, so that the walls cannot be taken down again from
-  inside (nor from a namespace made anew: the read-only flags of mounts handed to a less privileged
-  namespace are locked), nor the grader's memory read or written (`shield`);
+  a small one of its own.  An IPC one.  A user one, whose every capability is then dropped, so that the
+  walls cannot be taken down again from inside (nor from a namespace made anew: the read-only flags of
+  mounts handed to a less privileged namespace are locked), nor the grader's memory read or written
+  (`shield`);
 - `shield`, in the grader and its zygotes: not dumpable (Linux's PR_SET_DUMPABLE), so that a process of the
   same user without CAP_SYS_PTRACE over the machine (the learner's, behind `enter`) can neither trace it nor
   open its memory (`/proc/PID/mem`, `process_vm_writev`);
@@ -238,8 +238,8 @@ def _pass_on(pid: int, signal_number: int) -> None:
 
 
 def _proc_and_shared_memory_of_its_own() -> None:
-    """A /proc that lists this PID namespace's processes alone (the machine's would name the others, and
-    open their memory); an empty /dev/shm of its own, small."""
+    """A /proc that lists this PID namespace's processes alone (the machine's would name the others); an
+    empty /dev/shm of its own, small."""
     _check(_LIBC.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "a /proc of its own")
     if os.path.isdir(SHARED_MEMORY):
         _check(_LIBC.mount(b"tmpfs", os.fsencode(SHARED_MEMORY), b"tmpfs", _MS_NOSUID | _MS_NODEV,
