@@ -43,6 +43,8 @@ import socket
 import struct
 import sys
 
+from .. import procfs
+
 __all__ = ["Held", "available", "end_within", "enter", "hold", "namespace_of", "shield", "walled"]
 
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWNET, _CLONE_NEWPID, _CLONE_NEWIPC = (
@@ -366,11 +368,8 @@ def _pids() -> list[int]:
 
 def _runs(pid: int) -> bool:
     """Not ended (an ended process waits, as a zombie, to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = procfs._stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def _descends_from(pid: int, namespace: int) -> bool:
