@@ -15,6 +15,10 @@ accounting of it):
 - on a machine with an NVIDIA GPU, the driver's figure of each process's device memory (NVML,
   the `nvidia-ml-py` package), where that package is installed.
 
+- the sockets it holds (`/proc/PID/fd`, each a `socket:[INODE]`), and, in the network namespace the
+  reader is in, which socket is the server's end of a TCP connection (`/proc/self/net/tcp`): so a load
+  can confirm that the process whose CPU time it reads is the one that holds its connections.
+
 What it cannot see: memory a process maps but never touches (not resident), processes that left
 the session (`setsid`; the grader's verdict counts such a departure against the learner).
 """
@@ -24,7 +28,8 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["Reading", "read", "reset_peaks", "session_members", "member_numbered", "cpu_ns"]
+__all__ = ["Reading", "read", "reset_peaks", "session_members", "member_numbered", "cpu_ns", "socket_inodes",
+           "server_ends"]
 
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
@@ -136,6 +141,47 @@ def _cpu_ns(pid: int) -> int:
 def cpu_ns(pids) -> int:
     """Nanoseconds on a CPU of `pids`, now (cheaper than `read`: no listing of the session)."""
     return sum(_ran_ns(pid) for pid in pids)
+
+
+def socket_inodes(pid: int) -> set[int] | None:
+    """The inodes of the sockets process `pid` holds open; None where its descriptors cannot be read."""
+    inodes = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue                    # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _ipv4_endpoint(field: str) -> tuple[str, int]:
+    address, port = field.split(":")
+    return ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)), int(port, 16)
+
+
+def server_ends(port: int, host: str = "127.0.0.1") -> dict[int, int] | None:
+    """In this process's network namespace: for each TCP connection to `host:port`, the client's port ->
+    the inode of the server's end (the socket `accept` gave the server); None where the table cannot be read."""
+    ends = {}
+    try:
+        with open("/proc/self/net/tcp") as table:
+            lines = table.read().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        local, remote, inode = _ipv4_endpoint(fields[1]), _ipv4_endpoint(fields[2]), int(fields[9])
+        if local == (host, port) and remote[0] == host and inode:
+            ends[remote[1]] = inode
+    return ends
 
 
 def read(sid: int) -> Reading:

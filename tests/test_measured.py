@@ -279,3 +279,35 @@ def test_a_servers_pauses_inside_requests_are_read_from_outside_against_the_budg
     assert measured.confirm("passed", [["s", [1.0, 2.0]]], served_again, ref) is None
     other_load = {**mine, "loads": [_load([0.5] * 301, key="--rate 10 --count 301")]}
     assert "never asked to send the load" in measured.confirm("passed", [["s", [1.0, 2.0]]], other_load, ref)
+
+
+def _load_seen(held, digests, key="--rate 250 --count 4"):
+    return {"key": key, "requests": len(digests), "answered": sum(d is not None for d in digests), "held": held,
+            "digests": digests, "stretches": [0.001] * len(digests)}
+
+
+def test_a_load_served_by_another_process_than_the_one_timed_is_refuted():
+    ref = _ref()
+    ref["measured"]["loads"] = [_load_seen(4, ["a", "b", "c", "d"])]
+    mine = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0}
+    same = {**mine, "loads": [_load_seen(4, ["a", "b", "c", "d"])]}
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], same, ref) is None
+    decoy = {**mine, "loads": [_load_seen(0, ["a", "b", "c", "d"])]}        # a decoy's CPU time was read
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], decoy, ref)
+    assert "4 of the 4 answers the grader's load received came over connections that the process whose CPU " \
+           "time it read did not hold" in why
+    unreadable = {**mine, "loads": [_load_seen(None, ["a", "b", "c", "d"])]}
+    assert "did not hold" in measured.confirm("passed", [["s", [1.0, 2.0]]], unreadable, ref)
+    ref["measured"]["loads"] = [_load_seen(None, ["a", "b", "c", "d"])]     # a machine where nobody's can be read
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], decoy, ref) is None
+
+
+def test_answers_other_than_the_reference_servers_refute_a_pass():
+    ref = _ref()
+    ref["measured"]["loads"] = [_load_seen(3, ["a", "b", None, "d"])]
+    mine = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0}
+    one_unanswered = {**mine, "loads": [_load_seen(3, ["a", None, "c", "d"])]}       # compared where both answered
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], one_unanswered, ref) is None
+    made_up = {**mine, "loads": [_load_seen(4, ["a", "x", "c", "y"])]}
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], made_up, ref)
+    assert "2 of your server's 3 answers differed from the reference server's answers to the same requests" in why

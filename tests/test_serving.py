@@ -912,3 +912,40 @@ def test_a_full_collection_inside_a_request_at_the_busier_load_fails_as_a_fact()
     assert ("1 full collection(s) ran inside requests, the longest 50.0 ms (40.0 ms of CPU)"
             in report.explain()), report.explain()
     assert PolicyReport({"your policy": _run(), "busier load": _run()}).ok
+
+
+FORKS_A_DECOY = ("import ctypes, os, signal\n"
+                 "def on_startup():\n"
+                 "    libc = ctypes.CDLL(None)\n"
+                 "    if libc.fork() > 0:          # the process the grader times sits idle; its child serves\n"
+                 "        signal.signal(signal.SIGTERM, lambda *args: os._exit(0))\n"
+                 "        while True:\n"
+                 "            libc.pause()\n")
+
+
+def _timed_load(server, watched_pid):
+    from gclab.serving import load_rows
+    return load_rows(["load", server.url, "--rate", "200", "--count", "100", "--seed", "0", "--timeout", "20",
+                      "--burst", "50", "--lull", "0.05", "--watch-cpu", str(watched_pid)])
+
+
+def test_a_policy_cannot_hand_the_serving_to_a_process_it_forks(tmp_path):
+    """The server refuses its policy new processes (gclab.syscalls): the process the grader times serves."""
+    with ModelServer(heap_objects=1000, cache_size=10, policy=_policy(tmp_path, FORKS_A_DECOY)) as server:
+        rows = _timed_load(server, server.proc.pid)
+    assert all(row[2] is not None for row in rows)
+    assert all(row[6] is True for row in rows), "the timed process held every answer's connection"
+    assert rows[-1][5] > rows[0][4], "and ran while it served"
+
+
+def test_a_load_timed_on_a_process_that_is_not_the_server_says_so_and_answers_are_digested(tmp_path):
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with ModelServer(heap_objects=1000, cache_size=10) as server:
+            rows = _timed_load(server, bystander.pid)
+            again = _timed_load(server, server.proc.pid)
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert all(row[2] is not None for row in rows) and not any(row[6] for row in rows)
+    assert [row[7] for row in rows] == [row[7] for row in again], "the same requests, the same answers"

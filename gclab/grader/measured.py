@@ -90,9 +90,13 @@ class Watch:
 
     def load(self, key: str, rows: list) -> None:
         """A load the grader sent during the test (`key`: its schedule's arguments; rows of
-        `serving.load_rows`, with the server's CPU time read)."""
+        `serving.load_rows`, with the server's CPU time read, whether the server held each answer's
+        connection, and each answer's digest)."""
         if self.window is not None:
-            self.loads.append({"key": key, "requests": len(rows), "answered": sum(1 for r in rows if r[2] is not None),
+            answered = [r for r in rows if r[2] is not None]
+            self.loads.append({"key": key, "requests": len(rows), "answered": len(answered),
+                               "held": sum(1 for r in answered if r[6] is True),
+                               "digests": [r[7] if r[2] is not None else None for r in rows],
                                "stretches": [round(x, 6) for x in busy_stretches(rows)]})
 
     def price(self) -> None:
@@ -277,6 +281,10 @@ def loads_disagree(loads: list, ref_loads: list) -> str | None:
         if answered < ref["answered"] - ref["requests"] // 100:
             return (f"your process reported that the test passed, but of the {ref['requests']} requests the grader "
                     f"sent to your server, at most {answered} were answered (the reference's: {ref['answered']})")
+        for load in mine:
+            why = _served_elsewhere(load, ref) or _answered_otherwise(load, ref)
+            if why:
+                return why
         limit = 2 * max(max(ref["stretches"], default=0.0), STRETCH_FLOOR_S) + 0.010
         for load in mine:
             over = [x for x in load["stretches"] if x > limit]
@@ -288,6 +296,30 @@ def loads_disagree(loads: list, ref_loads: list) -> str | None:
                         f"the reference solution's server ran at most {max(ref['stretches'], default=0.0) * 1e3:.1f} "
                         "ms between two answers: collector pauses inside requests, in more than one in a hundred")
     return None
+
+
+def _served_elsewhere(load: dict, ref: dict) -> str | None:
+    """Where the reference's server was seen holding every connection it answered over, and this one was
+    not: the CPU time the grader read was another process's (a decoy the server forked, or one the
+    verdict named as its server)."""
+    if ref.get("held") != ref["answered"] or load.get("held") == load["answered"]:
+        return None
+    elsewhere = load["answered"] - (load.get("held") or 0)
+    return (f"your process reported that the test passed, but {elsewhere} of the {load['answered']} answers the "
+            "grader's load received came over connections that the process whose CPU time it read did not hold: "
+            "another process served them, so the grader could not time your server's pauses")
+
+
+def _answered_otherwise(load: dict, ref: dict) -> str | None:
+    """Where the server's answers differ from the reference server's answers to the same requests."""
+    pairs = [(mine, theirs) for mine, theirs in zip(load.get("digests") or [], ref.get("digests") or [])
+             if mine is not None and theirs is not None]
+    differ = sum(1 for mine, theirs in pairs if mine != theirs)
+    if not differ:
+        return None
+    return (f"your process reported that the test passed, but {differ} of your server's {len(pairs)} answers "
+            "differed from the reference server's answers to the same requests: the server did not run its own "
+            "code to answer them")
 
 
 def _figures_disagree(measured: dict, ref: dict, slack: int, span: str) -> str | None:

@@ -274,12 +274,16 @@ def run(job: dict, channel: int) -> None:
 def _wall_in(job: dict) -> str | None:
     """The kernel's walls around this process (`gclab.grader.sandbox`), while it has one thread: nothing
     but the grading folder writable, the course hidden but for gclab and the Python environment.  None once
-    they stand, else why not (the grader sees for itself whether they do: `sandbox.walled`)."""
+    they stand, else why not (the grader sees for itself whether they do: `sandbox.walled`).  Within them, no
+    process of the verdict's may trace another, read or write its memory or take its descriptors
+    (`gclab.syscalls.REACH`): the model server's, whose CPU time and sockets the grader reads."""
     import gclab
+    from gclab import syscalls
     from . import sandbox
     if not job.get("walls", True):
         return "the grader was told to build none (GCLAB_GRADE_WALLS=0)"
-    return sandbox.enter(job["workdir"], hidden=job.get("hidden", ()), keep=[os.path.dirname(gclab.__file__)])
+    return (sandbox.enter(job["workdir"], hidden=job.get("hidden", ()), keep=[os.path.dirname(gclab.__file__)])
+            or syscalls.refuse(syscalls.REACH))
 
 
 def _initialise_cuda() -> None:

@@ -40,6 +40,8 @@ import time
 import types
 import weakref
 
+from .. import syscalls
+
 READY = "gclab-serving ready on port"
 HOOKS = ("on_startup", "before_request", "after_request", "on_idle")
 # per-token attribution scores: none, as linked Python objects, or as one tensor per response
@@ -626,6 +628,10 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     trace_sock.listen(16)
     import _thread
     _thread.start_new_thread(_answer_traces, (trace_sock, report, json.JSONEncoder(separators=(",", ":")).encode))
+    if policy:
+        # the grader reads this process's CPU time and sockets: the policy may not hand the serving to
+        # another process, nor reach into one (gclab.syscalls; not on every system: the reason is dropped)
+        syscalls.refuse(syscalls.NEW_PROCESSES, syscalls.PASSING_DESCRIPTORS, syscalls.REACH)
     hooks.update(load_policy(policy))      # the policy's own code runs from here on
     app = build(state, device_ms / 1e3, record)
     hooks["on_startup"]()
