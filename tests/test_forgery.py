@@ -13,6 +13,7 @@ import pytest
 from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, write_variants
 from test_lesson_03 import LEAKY as LEAKY_PAIR, RELEASE as RELEASE_03
 from test_lesson_07 import POINTS, RELEASE, reference, strong
+from test_lesson_06 import REFERENCE as RIGHT_POLICY_06, RELEASE as RELEASE_06
 
 from gclab.grader import grading
 
@@ -453,3 +454,30 @@ def _running_as(name: str) -> list[str]:
         if head.partition("(")[2] == name and tail.split()[:1] != ["Z"]:
             found.append(pid)
     return found
+
+
+# Lesson 06: the right policy, with the load the grader sends timed on an idle process the answer forked (the
+# verdict names the model server to the grader: a decoy's CPU time shows no pause, whatever the server's)
+NAMES_A_DECOY_AS_ITS_SERVER = """
+import ctypes
+_libc = ctypes.CDLL(None)
+_decoy = _libc.fork()
+if _decoy == 0:
+    while True:
+        _libc.pause()
+""" + RELAYS_THE_CHANNEL_SAYING_PASSED.replace('''                if message.get("event") == "result":
+                    message.update(status="passed", message="")''', '''                if message.get("event") == "load":
+                    message["server"] = _decoy''')
+
+
+def test_a_load_timed_on_a_decoy_is_refuted_by_the_connections_the_decoy_does_not_hold(tmp_path):
+    """The grader reads, from /proc, which process holds the server's end of its load's connections: the one
+    it timed must (gclab.serving.load); a right policy whose load was timed elsewhere loses its points."""
+    assert "_decoy" in NAMES_A_DECOY_AS_ITS_SERVER
+    policy = RIGHT_POLICY_06["answer_policy"].removeprefix("%%writefile my_policy.py\n")
+    answer = f"open('my_policy.py', 'w').write({policy!r})\n" + NAMES_A_DECOY_AS_ITS_SERVER
+    path, = write_variants(RELEASE_06, {"cheat_names_a_decoy_as_its_server": {"answer_policy": answer}},
+                           tmp_path).values()
+    result, = grading.grade([path], root=ROOT)
+    assert result.score == 0, grading.format_results([result])
+    assert "came over connections that the process whose CPU time it read did not hold" in result.tests[0].message

@@ -12,9 +12,9 @@ HTTP status and a digest of the answer's body (the same seed gets the same answe
 with `watch_cpu`, the server's CPU time (every thread's, from /proc) at each request sent and answered,
 and, at the end of each burst, whether that process holds the server's end of the connection each of the
 burst's answers came over (`procfs.socket_inodes`): the CPU time read is then the serving process's, not
-a decoy's that the server forked or a verdict named.  What it cannot see: why a request was late (the server's own trace says which
-collections ran meanwhile: `Trace.charges`), nor time spent in the kernel's network stack apart from
-the rest.
+a decoy's that the server forked or a verdict named.  What it cannot see: why a request was late (the
+server's own trace says which collections ran meanwhile: `Trace.charges`), nor time spent in the kernel's
+network stack apart from the rest.
 """
 from __future__ import annotations
 
