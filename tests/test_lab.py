@@ -116,7 +116,8 @@ def learner(tmp_path_factory):
     lab = start_lab(tmp_path_factory.mktemp("learner"))
     try:
         result = {"kernels": lab.kernelspecs(), "page": lab.page_config(), "formgrader": lab.get("/formgrader")[0],
-                  "extensions": lab.get("/lab/api/extensions")}
+                  "extensions": lab.get("/lab/api/extensions"),
+                  "notebook_settings": lab.get("/lab/api/settings/@jupyterlab/notebook-extension:tracker")}
     finally:
         stop(lab)
     result["log"] = lab.log.read_text()
@@ -140,6 +141,14 @@ def test_the_lab_offers_the_kernel_of_this_checkout_the_notebooks_name(learner):
     spec = learner["kernels"][course.KERNEL_NAME]["spec"]
     assert spec["display_name"] == course.KERNEL_DISPLAY_NAME
     assert Path(spec["argv"][0]) == ROOT / ".venv" / "bin" / "python"
+
+
+def test_the_learners_lab_wraps_long_code_lines(learner):
+    """A self-check's message can be a long line: wrapped, it reads without scrolling sideways."""
+    status, body = learner["notebook_settings"]
+    assert status == 200
+    defaults = json.loads(body)["schema"]["properties"]["codeCellConfig"]["default"]     # the overrides land here
+    assert defaults["lineWrap"] is True
 
 
 def test_the_learners_lab_has_no_author_tools(learner):
