@@ -13,6 +13,7 @@ import pytest
 from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, write_variants
 from test_lesson_03 import LEAKY as LEAKY_PAIR, RELEASE as RELEASE_03
 from test_lesson_07 import POINTS, RELEASE, reference, strong
+from test_lesson_04 import RELEASE as RELEASE_04, WRONG as WRONG_04
 from test_lesson_06 import REFERENCE as RIGHT_POLICY_06, RELEASE as RELEASE_06
 
 from gclab.grader import grading
@@ -481,3 +482,18 @@ def test_a_load_timed_on_a_decoy_is_refuted_by_the_connections_the_decoy_does_no
     result, = grading.grade([path], root=ROOT)
     assert result.score == 0, grading.format_results([result])
     assert "came over connections that the process whose CPU time it read did not hold" in result.tests[0].message
+
+
+def test_views_left_in_cycles_are_seen_in_memory_when_every_assert_is_gone(tmp_path, monkeypatch):
+    """Lesson 04's views left in reference cycles, graded with every assert of the process removed
+    (PYTHONOPTIMIZE, a fresh Python per verdict: each test runs to its end and says "passed", its outputs
+    those of a run that did not stop): with the collector off, the hidden test's 80 views hold 80 MiB of
+    batches, which the system's figures of the process show (autograder/grader_figures.py found this
+    test's 2 points kept by such a process while its views held 2.5 MiB)."""
+    path, = write_variants(RELEASE_04, {"keeps_views_in_cycles": WRONG_04["empty_cache_in_wait"]}, tmp_path).values()
+    monkeypatch.setenv("PYTHONOPTIMIZE", "1")
+    monkeypatch.setenv("GCLAB_GRADE_FORK", "0")
+    lying, = grading.grade([path], root=ROOT)
+    failed = cell_result(lying, "test_no_cycle")
+    assert failed.status == "failed", grading.format_results([lying])
+    assert "your process reported that the test passed" in failed.message and "resident memory" in failed.message
