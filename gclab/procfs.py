@@ -5,7 +5,9 @@ does to its own memory changes them (it can rewrite any of its own objects, not 
 accounting of it):
 
 - resident memory, `VmRSS` in `/proc/PID/status`, and its peak `VmHWM`, which writing 5 to
-  `/proc/PID/clear_refs` resets to the current figure (so a peak can be read for a window);
+  `/proc/PID/clear_refs` resets to the current figure (so a peak can be read for a window); each
+  with what the process has in swap (`VmSwap`) added, so that memory paged out, by the kernel under
+  pressure or by the process itself (`madvise(MADV_PAGEOUT)`), still counts as its;
 - time on the CPU, the kernel's CPU-time clock of the whole process (`clock_gettime` on the clock
   id `clock_getcpuclockid(PID)` names: nanoseconds all its threads ran, the ones that already ended
   included; time spent waiting for a core does not count, so a busy machine does not inflate it),
@@ -94,7 +96,7 @@ def _status(pid: int) -> dict:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM", "Threads"):
+                if key in ("VmRSS", "VmHWM", "VmSwap", "Threads"):
                     number = int(value.split()[0])
                     found[key] = number * 1024 if key.startswith("Vm") else number
     except (OSError, ValueError):
@@ -190,8 +192,9 @@ def read(sid: int) -> Reading:
     rss = peak = cpu = threads = 0
     for pid in pids:
         status = _status(pid)
-        rss += status.get("VmRSS", 0)
-        peak += max(status.get("VmHWM", 0), status.get("VmRSS", 0))
+        swapped = status.get("VmSwap", 0)       # still the process's: paging out (MADV_PAGEOUT) hides none
+        rss += status.get("VmRSS", 0) + swapped
+        peak += max(status.get("VmHWM", 0), status.get("VmRSS", 0)) + swapped
         threads += status.get("Threads", 0)
         cpu += _cpu_ns(pid)
     return Reading(time.monotonic(), rss, peak, cpu, threads, len(pids), _gpu_bytes(pids))

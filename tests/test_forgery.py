@@ -13,7 +13,7 @@ import pytest
 from lesson_support import ROOT, assert_full_marks, cell_result, grade_all, write_variants
 from test_lesson_03 import LEAKY as LEAKY_PAIR, RELEASE as RELEASE_03
 from test_lesson_07 import POINTS, RELEASE, reference, strong
-from test_lesson_04 import RELEASE as RELEASE_04, WRONG as WRONG_04
+from test_lesson_04 import RELEASE as RELEASE_04, WRONG as WRONG_04, view as view_04
 from test_lesson_06 import REFERENCE as RIGHT_POLICY_06, RELEASE as RELEASE_06
 
 from gclab.grader import grading
@@ -497,3 +497,43 @@ def test_views_left_in_cycles_are_seen_in_memory_when_every_assert_is_gone(tmp_p
     failed = cell_result(lying, "test_no_cycle")
     assert failed.status == "failed", grading.format_results([lying])
     assert "your process reported that the test passed" in failed.message and "resident memory" in failed.message
+
+
+# Lesson 04's views left in cycles, and each new view pages out (madvise MADV_PAGEOUT) the batch the view made
+# before it holds: that batch is not read again, so on a machine with swap it leaves the resident figures
+VIEWS_PAGED_OUT = view_04(extra='''
+import ctypes as _ctypes
+_madvise = _ctypes.CDLL(None).madvise
+_madvise.argtypes = [_ctypes.c_void_p, _ctypes.c_size_t, _ctypes.c_int]
+_held = []
+
+def _page_out_earlier(pending):
+    while _held:
+        buffer = _held.pop()
+        start = buffer.data_ptr() // 4096 * 4096
+        _madvise(start, buffer.data_ptr() + buffer.numel() * 4 - start, 21)     # MADV_PAGEOUT
+    _held.append(pending.buffer)
+
+_init = BatchView.__init__
+def _paging_init(self, pending, rows, keep_columns):
+    _page_out_earlier(pending)
+    _init(self, pending, rows, keep_columns)
+BatchView.__init__ = _paging_init
+''')
+
+
+def test_views_left_in_cycles_and_paged_out_to_swap_are_still_counted(tmp_path, monkeypatch):
+    """The lying views of the test above, their batches paged out as they go. Measured on a machine with
+    256 MiB of swap: while the grader read VmRSS and VmHWM alone, test_no_cycle's 2 points stood (5/8 in 4
+    of 4 gradings; the honest wrong fix gets 3/8), its 80 MiB in swap; VmSwap added, they still stood in 3 of
+    4 (the test's last collection frees the swap before its end, and no peak of swap is kept). Now the verdict
+    refuses itself such advice (seccomp, `gclab.syscalls.PAGING_OUT`): 3/8 in 3 of 3, its peak 55.6 to 66.9
+    MiB over the reference's. Where a machine has no swap (CI), MADV_PAGEOUT leaves the pages resident
+    anyway."""
+    path, = write_variants(RELEASE_04, {"cheat_pages_out_views_in_cycles": VIEWS_PAGED_OUT}, tmp_path).values()
+    monkeypatch.setenv("PYTHONOPTIMIZE", "1")
+    monkeypatch.setenv("GCLAB_GRADE_FORK", "0")
+    lying, = grading.grade([path], root=ROOT)
+    assert lying.score == 3, grading.format_results([lying])
+    failed = cell_result(lying, "test_no_cycle")
+    assert failed.status == "failed" and "resident memory (swap included)" in failed.message, failed.message

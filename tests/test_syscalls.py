@@ -57,3 +57,21 @@ def test_another_process_cannot_be_traced_or_have_a_descriptor_taken():
                 "if child == 0:\n    os._exit(7)\n"
                 "print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))\n")
     assert said == ["-1", "1", "-1", "1", "7"]
+
+
+def test_memory_cannot_be_paged_out_and_an_allocators_advice_still_passes():
+    said = _run("assert syscalls.refuse(syscalls.PAGING_OUT) is None\n"
+                "import mmap\n"
+                "libc = ctypes.CDLL(None, use_errno=True)\n"
+                "libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+                "block = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\nblock.write(b'x' * (1 << 20))\n"
+                "address = ctypes.addressof(ctypes.c_char.from_buffer(block))\n"
+                "MADV_DONTNEED, MADV_COLD, MADV_PAGEOUT, SYS_process_madvise = 4, 20, 21, 440\n"
+                "for advice in (MADV_PAGEOUT, MADV_COLD):\n"
+                "    print(libc.madvise(address, 1 << 20, advice), ctypes.get_errno())\n"
+                "print(outcome(lambda: block.madvise(MADV_PAGEOUT)).replace(' ', '_'))\n"
+                "pidfd = os.pidfd_open(os.getpid())\n"
+                "print(libc.syscall(SYS_process_madvise, pidfd, 0, 0, MADV_PAGEOUT, 0), ctypes.get_errno())\n"
+                "print(libc.madvise(address, 1 << 20, MADV_DONTNEED), block[:1])\n"
+                "import torch\nprint(float(torch.ones(1 << 22).sum()))\n")
+    assert said == ["-1", "1", "-1", "1", "PermissionError_1", "-1", "1", "0", "b'\\x00'", "4194304.0"]

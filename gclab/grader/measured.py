@@ -13,7 +13,7 @@ decides it.  A test's point stands only when the grader, in its own process, con
    ended included; waiting for a core does not inflate it): a test
    whose result arrives without its work having run did not run.
 3. **Memory.**  The process's resident memory and its peak over the test (`VmRSS`, `VmHWM` after
-   resetting it at the test's start), and over the whole run, stayed within a margin of the
+   resetting it at the test's start; each with what it has in swap, `VmSwap`), and over the whole run, stayed within a margin of the
    reference's; on a GPU, the driver's figure for the process as well.
 
 `Watch` takes the readings as the verdict process's messages arrive; `reference` runs the
@@ -327,7 +327,8 @@ def _figures_disagree(measured: dict, ref: dict, slack: int, span: str) -> str |
     if ref_cpu >= WORK_FLOOR_S and cpu < WORK_FRACTION * ref_cpu:
         return (f"your process reported that the test passed, but the system measured {cpu:.3f} s on the CPU "
                 f"{span}, where the reference solution spends {ref_cpu:.2f} s: the test's work did not run")
-    for key, what in (("rss_growth", "resident memory"), ("peak_growth", "peak resident memory"),
+    for key, what in (("rss_growth", "resident memory (swap included)"),
+                      ("peak_growth", "peak resident memory (swap included)"),
                       ("gpu_growth", "GPU memory (the driver's figure)")):
         if key not in measured or key not in ref:
             continue

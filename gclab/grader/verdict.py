@@ -276,14 +276,16 @@ def _wall_in(job: dict) -> str | None:
     but the grading folder writable, the course hidden but for gclab and the Python environment.  None once
     they stand, else why not (the grader sees for itself whether they do: `sandbox.walled`).  Within them, no
     process of the verdict's may trace another, read or write its memory or take its descriptors
-    (`gclab.syscalls.REACH`): the model server's, whose CPU time and sockets the grader reads."""
+    (`gclab.syscalls.REACH`): the model server's, whose CPU time and sockets the grader reads; nor page its
+    own memory out to swap (`PAGING_OUT`), where what it holds would leave the resident figures the grader
+    reads."""
     import gclab
     from gclab import syscalls
     from . import sandbox
     if not job.get("walls", True):
         return "the grader was told to build none (GCLAB_GRADE_WALLS=0)"
     return (sandbox.enter(job["workdir"], hidden=job.get("hidden", ()), keep=[os.path.dirname(gclab.__file__)])
-            or syscalls.refuse(syscalls.REACH))
+            or syscalls.refuse(syscalls.REACH, syscalls.PAGING_OUT))
 
 
 def _initialise_cuda() -> None:

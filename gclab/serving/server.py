@@ -629,9 +629,10 @@ def serve(heap_objects: int, attribution: str, policy: str | None, device: str,
     import _thread
     _thread.start_new_thread(_answer_traces, (trace_sock, report, json.JSONEncoder(separators=(",", ":")).encode))
     if policy:
-        # the grader reads this process's CPU time and sockets: the policy may not hand the serving to
-        # another process, nor reach into one (gclab.syscalls; not on every system: the reason is dropped)
-        syscalls.refuse(syscalls.NEW_PROCESSES, syscalls.PASSING_DESCRIPTORS, syscalls.REACH)
+        # the grader reads this process's CPU time, sockets and memory: the policy may not hand the serving
+        # to another process, reach into one, or page out the garbage it keeps (gclab.syscalls; not on every
+        # system: the reason is dropped)
+        syscalls.refuse(syscalls.NEW_PROCESSES, syscalls.PASSING_DESCRIPTORS, syscalls.REACH, syscalls.PAGING_OUT)
     hooks.update(load_policy(policy))      # the policy's own code runs from here on
     app = build(state, device_ms / 1e3, record)
     hooks["on_startup"]()
