@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab.grader import grading
+from gclab.grader import grading, measured
 from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -834,3 +834,25 @@ def test_a_name_only_an_example_cell_defines_is_said_so(tmp_path):
     assert result.score == 0, grading.format_results([result])
     assert all("'helper' is defined in one of the lesson's example cells, which grading does not run" in t.message
                for t in result.tests), grading.format_results([result])
+
+
+def test_a_reference_is_kept_apart_for_each_way_a_verdict_is_started(monkeypatch):
+    """A reference run in a fresh Python, or with every assert dropped, is never the figure a forked
+    verdict is compared with (lesson 04's reference, run so by a test of forgeries, once took 1.63 s of CPU
+    in a test where a forked right answer spends 0.09 s, and right answers graded after it lost 5 points)."""
+    kept = []
+    monkeypatch.setattr(measured, "reference", lambda cache, compute: kept.append(cache.name) or {})
+
+    def kept_as(**variables):
+        with monkeypatch.context() as changed:
+            for name in ("GCLAB_GRADE_FORK", "GCLAB_GRADE_WALLS", "PYTHONOPTIMIZE"):
+                changed.delenv(name, raising=False)
+            for name, value in variables.items():
+                changed.setenv(name, value)
+            grading.reference_of(ROOT, "04_awaitable_callback_oom")
+        return kept[-1]
+
+    usual = kept_as()
+    assert usual == kept_as()
+    for name, value in (("GCLAB_GRADE_FORK", "0"), ("GCLAB_GRADE_WALLS", "0"), ("PYTHONOPTIMIZE", "1")):
+        assert kept_as(**{name: value}) != usual, name

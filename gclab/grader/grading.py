@@ -42,7 +42,7 @@ import nbformat
 
 from . import measured, review
 from .cells import answer_cells, hidden_tests, without_hidden_tests  # noqa: F401  (gclab.grader.grading's names)
-from .launch import _ZYGOTE, _job_environment, _run, run_verdict, verdict_job  # noqa: F401
+from .launch import _ZYGOTE, _job_environment, _run, run_verdict, verdict_conditions, verdict_job  # noqa: F401
 from .results import NotebookResult, TestResult, _all_tests, _grade_cells, _score  # noqa: F401
 from .tampering import _student_sources, imported_tools, tampering  # noqa: F401
 
@@ -350,7 +350,8 @@ def reference_figures(root: Path, assignment: str, notebook: str, source_nb, con
                                     "measured": t.measured} for test_id, t in verdicts.items()},
                 "run": whole[0] if len(whole) == 1 else {}}
     cache = root / "autograder" / "work" / "cache" / (
-        f"reference-{assignment}-{_source_key(root, assignment)}-{measured.machine_key(conditions)}.json")
+        f"reference-{assignment}-{_source_key(root, assignment)}-"
+        f"{measured.machine_key({**conditions, **verdict_conditions()})}.json")
     try:
         return measured.reference(cache, compute)
     except OSError:                   # a course folder that cannot be written: computed, not kept

@@ -171,10 +171,25 @@ _ZYGOTE: list = []
 _ZYGOTE_LOCK = threading.Lock()
 
 
+def _forks() -> bool:
+    from .. import zygote
+    return os.environ.get("GCLAB_GRADE_FORK") != "0" and zygote.available()
+
+
+def verdict_conditions() -> dict:
+    """How this grader starts a verdict process, which the figures of a run depend on, so that a reference
+    is compared only with runs started alike: forked from the zygote or a fresh Python (which imports, in
+    the tests' time, what the zygote loaded once: lesson 04's reference spent 1.63 s of CPU in a test where
+    a forked one spends 0.09 s), walled or not, and the interpreter's own variables (PYTHONOPTIMIZE drops
+    every assert)."""
+    return {"forked": _forks(), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0",
+            "python": sorted((name, value) for name, value in os.environ.items() if name.startswith("PYTHON"))}
+
+
 def _zygote():
     """The zygote server of this grader, or None when GCLAB_GRADE_FORK=0 or there is none."""
     from .. import zygote
-    if os.environ.get("GCLAB_GRADE_FORK") == "0" or not zygote.available():
+    if not _forks():
         return None
     with _ZYGOTE_LOCK:
         if not _ZYGOTE or not _ZYGOTE[0].alive():
