@@ -45,10 +45,8 @@ class Zygote:
         # a requester that may not be traced (gclab.grader.sandbox.shield) has a server that may not be either
         argv = [sys.executable, "-I", "-m", "gclab.zygote", str(theirs.fileno()), module,
                 "dumpable" if _dumpable() else "undumpable"]
-        taken = sum(len(os.fsencode(arg)) + 1 for arg in argv)
-        if room > taken:
-            argv.append("-" * (room - taken - 1))         # overwritten (show_as) before any child starts
-        self.proc = subprocess.Popen(argv,
+        self.room, self.env = room, env
+        self.proc = subprocess.Popen(with_room(argv, room),
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                                      start_new_session=new_session)
@@ -65,6 +63,22 @@ class Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def close(self) -> None:
+        """End the server (it ends when its socket closes), and the children it forked with it."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def with_room(argv: list[str], room: int) -> list[str]:
+    """`argv`, with one more argument where it is shorter than `room` bytes as /proc/PID/cmdline holds it: the
+    room a process (or a child it forks) needs to show another command line of that length (`show_as`)."""
+    taken = sum(len(os.fsencode(arg)) + 1 for arg in argv)
+    return argv + ["-" * (room - taken - 1)] if room > taken else argv
 
 
 def available() -> bool:

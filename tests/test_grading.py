@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -495,12 +496,18 @@ def _stopped_in_time(pid: int, seconds: float = 5) -> bool:
     return not _running(pid)
 
 
+def _started_as_a_verdict(pid: int) -> bool:
+    """Started as `gclab.grader.verdict` (a fresh Python), which shows a kernel's command line once it runs."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b"gclab.grader.verdict" in cmdline or b"ipykernel_launcher" in cmdline
+
+
 def _verdict_processes() -> list:
     """Verdict processes still running: started as `gclab.grader.verdict`, or forked from the grader's
     zygote server (the one process allowed to stay; its children show a kernel's command line)."""
     servers = {z.proc.pid for z in grading._ZYGOTE}
     return [pid for pid in _descendants_of(os.getpid()) if pid not in servers and _running(pid)
-            and (_parent_of(pid) in servers or b"gclab.grader.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes())]
+            and (_parent_of(pid) in servers or _started_as_a_verdict(pid))]
 
 
 def _descendants_of(parent: int) -> list:
@@ -533,7 +540,7 @@ def test_a_grader_killed_mid_grading_leaves_no_verdict_running(course, tmp_path,
         while time.monotonic() < deadline and not looping():
             time.sleep(0.2)
             verdicts = [pid for pid in _descendants_of(grader.pid) if _running(pid)
-                        and (forked or b"gclab.grader.verdict" in Path(f"/proc/{pid}/cmdline").read_bytes())]
+                        and (forked or _started_as_a_verdict(pid))]
             runs_it = [pid for pid in verdicts if _parent_of(pid) in verdicts] if forked else verdicts
             looping = lambda: any(_cpu_seconds(pid) > (2 if forked else 6) for pid in runs_it)   # noqa: E731
         assert looping(), "no verdict process ran the submission's loop"
@@ -856,3 +863,27 @@ def test_a_reference_is_kept_apart_for_each_way_a_verdict_is_started(monkeypatch
     assert usual == kept_as()
     for name, value in (("GCLAB_GRADE_FORK", "0"), ("GCLAB_GRADE_WALLS", "0"), ("PYTHONOPTIMIZE", "1")):
         assert kept_as(**{name: value}) != usual, name
+
+
+# Right only where its process shows a kernel's command line and no variable of the grader's
+RIGHT_ONLY_UNSEEN = ("def double(x):\n"
+                     "    cmdline, environ = (open(f'/proc/self/{name}', 'rb').read() for name in ('cmdline', 'environ'))\n"
+                     "    unseen = b'ipykernel_launcher' in cmdline and b'gclab' not in cmdline and b'GCLAB_GRADE' not in environ\n"
+                     "    return 2 * x if unseen else -1")
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked_from_the_zygote", "started_as_a_process"])
+def test_a_verdict_shows_a_kernels_command_line_however_deep_its_grading_folder(course, tmp_path, monkeypatch,
+                                                                                 forked):
+    """A verdict started as a fresh Python showed `python -m gclab.grader.verdict` and the grader's variables
+    (GCLAB_GRADE_FORK=0 among them); one forked from a zygote started for a shallower grading folder (`grade`,
+    then `grade-class` in one process) kept the zygote's command line: code right only there got full marks."""
+    monkeypatch.setenv("GCLAB_GRADE_FORK", "1" if forked else "0")
+    path = _submit(course, tmp_path, "right_only_unseen", RIGHT_ONLY_UNSEEN)
+    deeper = tmp_path / "deeper"
+    deeper.mkdir()
+    [shallow] = grading.grade([path], root=course)
+    monkeypatch.setattr(tempfile, "tempdir", str(deeper))         # as grade-class's scratch folder does
+    [deep] = grading.grade([path], root=course)
+    assert (shallow.score, deep.score) == (2, 2), grading.format_results([shallow, deep])
+    assert not forked or len(grading._ZYGOTE) == 1, "the zygote no verdict used any more was not ended"

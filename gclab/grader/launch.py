@@ -17,10 +17,10 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
+from .. import zygote
 from . import measured, sandbox
 from .cells import _answers_of, _meta, top_level_names
 from .results import TestResult
@@ -119,8 +119,8 @@ class _Started:
     """A verdict process started as a subprocess (a fresh Python)."""
 
     def __init__(self, job_bytes: bytes, workdir: str, channel: int, memory_limit):
-        self.proc = subprocess.Popen([sys.executable, "-m", "gclab.grader.verdict", str(channel)], cwd=workdir,
-                                     env=dict(os.environ, **_job_environment()), stdin=subprocess.PIPE,
+        argv = zygote.with_room([sys.executable, "-m", "gclab.grader.verdict", str(channel)], _room(workdir))
+        self.proc = subprocess.Popen(argv, cwd=workdir, env=_verdict_environment(), stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(channel,),
                                      start_new_session=True, preexec_fn=lambda: apply_limits(memory_limit))
         self.pid = self.proc.pid
@@ -153,26 +153,41 @@ class _Forked:
     """A verdict process forked from the grader's zygote server (gclab.zygote), which has
     imported the instruments once: about 2 s saved per submission."""
 
-    def __init__(self, zygote, job_bytes: bytes, channel: int, memory_limit):
+    def __init__(self, server, job_bytes: bytes, channel: int, memory_limit):
         job_read, job_write = os.pipe()
         try:
-            self.pid, pidfd = zygote.fork({"memory_limit": memory_limit}, [job_read, channel])
+            self.pid, pidfd = server.fork({"memory_limit": memory_limit}, [job_read, channel])
         finally:
             os.close(job_read)
         if pidfd is not None:
             os.close(pidfd)           # the session is what is killed (see end)
+        self.server = server
         _write_job(os.fdopen(job_write, "wb"), job_bytes)
 
     def end(self) -> None:
         _kill_session(self.pid)       # the zygote reaps it
+        _release(self.server)
 
 
-_ZYGOTE: list = []
+_ZYGOTE: list = []                # the zygote servers running, one for each room and Python variables
+_FORKED: dict = {}                # zygote server -> its verdicts still running, or about to be forked
 _ZYGOTE_LOCK = threading.Lock()
 
 
+def _room(workdir: str) -> int:
+    """The length of the kernel's command line a verdict in `workdir` shows (`verdict.kernel_command_line`:
+    the connection file's path holds the folder above the grading folder, the verdict's home)."""
+    return verdict.command_line_room(len(os.fsencode(os.path.dirname(os.path.abspath(workdir)))))
+
+
+def _verdict_environment() -> dict:
+    """No variable only the grader has: the system shows a process's starting environment to it
+    (/proc/self/environ), whatever it deletes."""
+    return {**{name: value for name, value in os.environ.items() if not name.startswith(verdict.GRADER_ONLY_VARIABLES)},
+            "PATH": _job_environment()["PATH"]}
+
+
 def _forks() -> bool:
-    from .. import zygote
     return os.environ.get("GCLAB_GRADE_FORK") != "0" and zygote.available()
 
 
@@ -181,36 +196,52 @@ def verdict_conditions() -> dict:
     is compared only with runs started alike: forked from the zygote or a fresh Python (which imports, in
     the tests' time, what the zygote loaded once: lesson 04's reference spent 1.63 s of CPU in a test where
     a forked one spends 0.09 s), walled or not, and the interpreter's own variables (PYTHONOPTIMIZE drops
-    every assert)."""
+    every assert) that reach the verdict."""
     return {"forked": _forks(), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0",
-            "python": sorted((name, value) for name, value in os.environ.items() if name.startswith("PYTHON"))}
+            "python": _python_variables(_verdict_environment())}
 
 
-def _zygote():
-    """The zygote server of this grader, or None when GCLAB_GRADE_FORK=0 or there is none."""
-    from .. import zygote
+def _python_variables(env: dict) -> list:
+    return sorted((name, value) for name, value in env.items() if name.startswith("PYTHON"))
+
+
+def _zygote(room: int):
+    """A zygote server of this grader whose children have `room` for a kernel's command line and this
+    grader's Python variables, or None when GCLAB_GRADE_FORK=0 or there is none.  A verdict whose command line
+    did not fit kept the zygote's, which names gclab (a grading folder deeper than the one the server was
+    started for: `grade`, then `grade-class` in one process); a server no verdict uses is ended when
+    another is needed.  The server returned is held for one verdict until `_release`."""
     if not _forks():
         return None
+    env = _verdict_environment()
     with _ZYGOTE_LOCK:
-        if not _ZYGOTE or not _ZYGOTE[0].alive():
-            # no variable only the grader has: the system shows a process's starting environment to it
-            # (/proc/self/environ), whatever it deletes; and room for a kernel's command line in a grading
-            # folder made as `grade` makes one (tempfile's tmpXXXXXXXX/LESSON)
-            env = {name: value for name, value in os.environ.items() if not name.startswith(verdict.GRADER_ONLY_VARIABLES)}
-            room = verdict.command_line_room(len(os.path.join(tempfile.gettempdir(), "tmpXXXXXXXX")))
-            _ZYGOTE[:] = [zygote.Zygote("gclab.grader.verdict", env={**env, "PATH": _job_environment()["PATH"]},
-                                        room=room)]
-        return _ZYGOTE[0]
+        _ZYGOTE[:] = [server for server in _ZYGOTE if server.alive()]
+        fitting = next((server for server in _ZYGOTE if server.room == room
+                        and _python_variables(server.env) == _python_variables(env)), None)
+        if fitting is None:
+            for idle in [server for server in _ZYGOTE if not _FORKED.get(server)]:
+                _ZYGOTE.remove(idle)
+                _FORKED.pop(idle, None)
+                idle.close()
+            fitting = zygote.Zygote("gclab.grader.verdict", env=env, room=room)
+            _ZYGOTE.append(fitting)
+        _FORKED[fitting] = _FORKED.get(fitting, 0) + 1
+        return fitting
+
+
+def _release(server) -> None:
+    with _ZYGOTE_LOCK:
+        _FORKED[server] -= 1
 
 
 def _start_verdict(job: dict, channel: int, memory_limit):
     job_bytes = json.dumps(job).encode()
-    zygote = _zygote()
-    if zygote is not None:
+    server = _zygote(_room(job["workdir"]))
+    if server is not None:
         try:
-            return _Forked(zygote, job_bytes, channel, memory_limit)
+            return _Forked(server, job_bytes, channel, memory_limit)
         except OSError:
-            pass                     # the server died: a fresh Python does the same work
+            _release(server)         # the server died: a fresh Python does the same work
     return _Started(job_bytes, job["workdir"], channel, memory_limit)
 
 
