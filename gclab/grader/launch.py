@@ -183,8 +183,8 @@ def _room(workdir: str) -> int:
 def _verdict_environment() -> dict:
     """No variable only the grader has: the system shows a process's starting environment to it
     (/proc/self/environ), whatever it deletes."""
-    return {**{name: value for name, value in os.environ.items() if not name.startswith(verdict.GRADER_ONLY_VARIABLES)},
-            "PATH": _job_environment()["PATH"]}
+    kept = {name: value for name, value in os.environ.items() if not name.startswith(verdict.GRADER_ONLY_VARIABLES)}
+    return {**kept, "PATH": _job_environment()["PATH"]}
 
 
 def _forks() -> bool:

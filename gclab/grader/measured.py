@@ -13,8 +13,8 @@ decides it.  A test's point stands only when the grader, in its own process, con
    ended included; waiting for a core does not inflate it): a test
    whose result arrives without its work having run did not run.
 3. **Memory.**  The process's resident memory and its peak over the test (`VmRSS`, `VmHWM` after
-   resetting it at the test's start; each with what it has in swap, `VmSwap`), and over the whole run, stayed within a margin of the
-   reference's; on a GPU, the driver's figure for the process as well.
+   resetting it at the test's start; each with what it has in swap, `VmSwap`), and over the whole run,
+   stayed within a margin of the reference's; on a GPU, the driver's figure for the process as well.
 
 `Watch` takes the readings as the verdict process's messages arrive; `reference` runs the
 reference solution once per lesson, source and machine and keeps its figures; `confirm` turns a
