@@ -40,9 +40,9 @@ def _figures(test) -> str:
 
 
 def _grade(path: Path, lying: bool = False):
-    saved = {k: os.environ.get(k) for k in ("PYTHONOPTIMIZE", "GCLAB_GRADE_FORK")}
-    if lying:       # a fresh Python per verdict (the zygote runs isolated from PYTHON* variables)
-        os.environ.update(PYTHONOPTIMIZE="1", GCLAB_GRADE_FORK="0")
+    saved = {"PYTHONOPTIMIZE": os.environ.get("PYTHONOPTIMIZE")}
+    if lying:       # verdicts forked from a zygote of their own, started with -O (and the reference's too)
+        os.environ.update(PYTHONOPTIMIZE="1")
     try:
         started = time.perf_counter()
         result, = grading.grade([path], ROOT)
