@@ -17,8 +17,10 @@ c.CourseDirectory.root = ROOT
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
 # nbgrader creates a gradebook by running `alembic` from PATH: find it beside this Python,
-# so that `.venv/bin/nbgrader ...` works without activating .venv.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# so that `.venv/bin/nbgrader ...` works without activating .venv (once: the grader loads this file
+# for every grading).
+if os.path.dirname(sys.executable) not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "autograder", "gradebook.db")
 # The course's own exchange folder (nbgrader's default, /usr/local/share/nbgrader/exchange,
 # needs root to create).  On a shared server, point this at a folder every user can write.

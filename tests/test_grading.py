@@ -887,3 +887,13 @@ def test_a_verdict_shows_a_kernels_command_line_however_deep_its_grading_folder(
     [deep] = grading.grade([path], root=course)
     assert (shallow.score, deep.score) == (2, 2), grading.format_results([shallow, deep])
     assert not forked or len(grading._ZYGOTE) == 1, "the zygote no verdict used any more was not ended"
+
+
+def test_loading_the_course_settings_again_leaves_path_as_it_was(monkeypatch):
+    """The course's nbgrader_config.py puts this Python's bin folder on PATH once: the grader loads it for
+    every grading, and PATH grew by the folder each time (each grading's verdict started with a longer one)."""
+    monkeypatch.setenv("PATH", "/usr/bin")
+    grading._course_config(ROOT)
+    once = os.environ["PATH"]
+    grading._course_config(ROOT)
+    assert os.environ["PATH"] == once == os.path.dirname(sys.executable) + os.pathsep + "/usr/bin"
