@@ -6,7 +6,7 @@ For each lesson it grades, with `gclab.grader.grading.grade`:
 - the reference solution (its figures are the ones every submission is compared with);
 - the untouched release;
 - two plausible wrong fixes from the lesson's tests (the first two of `WRONG` in tests/test_lesson_NN.py),
-  each twice: as it is, and with every `assert` of the process removed (`PYTHONOPTIMIZE=1`, so each
+  each twice: as it is, and with every `assert` of the process removed (`GCLAB_GRADE_STRIP_ASSERTS=1`, so each
   test runs to its end and reports "passed" whatever failed: what the grader sees of a process that
   rewrote its results).
 
@@ -40,9 +40,9 @@ def _figures(test) -> str:
 
 
 def _grade(path: Path, lying: bool = False):
-    saved = {"PYTHONOPTIMIZE": os.environ.get("PYTHONOPTIMIZE")}
+    saved = {"GCLAB_GRADE_STRIP_ASSERTS": os.environ.get("GCLAB_GRADE_STRIP_ASSERTS")}
     if lying:       # verdicts forked from a zygote of their own, started with -O (and the reference's too)
-        os.environ.update(PYTHONOPTIMIZE="1")
+        os.environ.update(GCLAB_GRADE_STRIP_ASSERTS="1")
     try:
         started = time.perf_counter()
         result, = grading.grade([path], ROOT)

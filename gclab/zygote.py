@@ -36,18 +36,18 @@ import threading
 class Zygote:
     """The requester's side: starts the server, asks it for children."""
 
-    def __init__(self, module: str, env: dict | None = None, new_session: bool = True, room: int = 0):
+    def __init__(self, module: str, env: dict | None = None, new_session: bool = True, room: int = 0,
+                 flags: tuple = ()):
         """`new_session=False` keeps the server and its children in the requester's process group,
         so that whoever kills that group (a grader ending a verdict) ends them too.  `room`: the length
-        the command line must have, at least, for a child to show another one in its place (`show_as`)."""
+        the command line must have, at least, for a child to show another one in its place (`show_as`).
+        `flags`: the Python's own options (`-O`); PYTHON* variables it ignores (-I)."""
         self.lock = threading.Lock()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # a requester that may not be traced (gclab.grader.sandbox.shield) has a server that may not be either
-        # isolated from PYTHON* variables (-I), but for the optimisation they ask for, which a fresh Python
-        # started with `env` would have
-        argv = [sys.executable, "-I", *_optimize_flags(env if env is not None else os.environ), "-m", "gclab.zygote",
-                str(theirs.fileno()), module, "dumpable" if _dumpable() else "undumpable"]
-        self.room, self.env = room, env
+        argv = [sys.executable, "-I", *flags, "-m", "gclab.zygote", str(theirs.fileno()), module,
+                "dumpable" if _dumpable() else "undumpable"]
+        self.room, self.env, self.flags = room, env, tuple(flags)
         self.proc = subprocess.Popen(with_room(argv, room),
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
@@ -74,13 +74,6 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def _optimize_flags(env) -> list[str]:
-    """-O as often as PYTHONOPTIMIZE asks: a number, that many times; any other text, once."""
-    value = env.get("PYTHONOPTIMIZE", "")
-    times = int(value) if value.isdigit() else int(bool(value))
-    return ["-" + "O" * times] if times else []
 
 
 def with_room(argv: list[str], room: int) -> list[str]:

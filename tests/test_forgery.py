@@ -486,12 +486,12 @@ def test_a_load_timed_on_a_decoy_is_refuted_by_the_connections_the_decoy_does_no
 
 def test_views_left_in_cycles_are_seen_in_memory_when_every_assert_is_gone(tmp_path, monkeypatch):
     """Lesson 04's views left in reference cycles, graded with every assert of the process removed
-    (PYTHONOPTIMIZE, which the zygote passes on as -O: each test runs to its end and says "passed", its outputs
+    (GCLAB_GRADE_STRIP_ASSERTS=1, verdicts run with -O: each test runs to its end and says "passed", its outputs
     those of a run that did not stop): with the collector off, the hidden test's 80 views hold 80 MiB of
     batches, which the system's figures of the process show (autograder/grader_figures.py found this
     test's 2 points kept by such a process while its views held 2.5 MiB)."""
     path, = write_variants(RELEASE_04, {"keeps_views_in_cycles": WRONG_04["empty_cache_in_wait"]}, tmp_path).values()
-    monkeypatch.setenv("PYTHONOPTIMIZE", "1")
+    monkeypatch.setenv("GCLAB_GRADE_STRIP_ASSERTS", "1")
     lying, = grading.grade([path], root=ROOT)
     failed = cell_result(lying, "test_no_cycle")
     assert failed.status == "failed", grading.format_results([lying])
@@ -530,7 +530,7 @@ def test_views_left_in_cycles_and_paged_out_to_swap_are_still_counted(tmp_path, 
     MiB over the reference's. Where a machine has no swap (CI), MADV_PAGEOUT leaves the pages resident
     anyway."""
     path, = write_variants(RELEASE_04, {"cheat_pages_out_views_in_cycles": VIEWS_PAGED_OUT}, tmp_path).values()
-    monkeypatch.setenv("PYTHONOPTIMIZE", "1")
+    monkeypatch.setenv("GCLAB_GRADE_STRIP_ASSERTS", "1")
     lying, = grading.grade([path], root=ROOT)
     assert lying.score == 3, grading.format_results([lying])
     failed = cell_result(lying, "test_no_cycle")

@@ -844,7 +844,7 @@ def test_a_name_only_an_example_cell_defines_is_said_so(tmp_path):
 
 
 def test_a_reference_is_kept_apart_for_each_way_a_verdict_is_started(monkeypatch):
-    """A reference run in a fresh Python, or with every assert dropped, is never the figure a forked
+    """A reference run in a fresh Python, or with every assert stripped, is never the figure a forked
     verdict is compared with (lesson 04's reference, run so by a test of forgeries, once took 1.63 s of CPU
     in a test where a forked right answer spends 0.09 s, and right answers graded after it lost 5 points)."""
     kept = []
@@ -852,7 +852,7 @@ def test_a_reference_is_kept_apart_for_each_way_a_verdict_is_started(monkeypatch
 
     def kept_as(**variables):
         with monkeypatch.context() as changed:
-            for name in ("GCLAB_GRADE_FORK", "GCLAB_GRADE_WALLS", "PYTHONOPTIMIZE"):
+            for name in ("GCLAB_GRADE_FORK", "GCLAB_GRADE_WALLS", "GCLAB_GRADE_STRIP_ASSERTS"):
                 changed.delenv(name, raising=False)
             for name, value in variables.items():
                 changed.setenv(name, value)
@@ -861,7 +861,7 @@ def test_a_reference_is_kept_apart_for_each_way_a_verdict_is_started(monkeypatch
 
     usual = kept_as()
     assert usual == kept_as()
-    for name, value in (("GCLAB_GRADE_FORK", "0"), ("GCLAB_GRADE_WALLS", "0"), ("PYTHONOPTIMIZE", "1")):
+    for name, value in (("GCLAB_GRADE_FORK", "0"), ("GCLAB_GRADE_WALLS", "0"), ("GCLAB_GRADE_STRIP_ASSERTS", "1")):
         assert kept_as(**{name: value}) != usual, name
 
 
@@ -897,3 +897,15 @@ def test_loading_the_course_settings_again_leaves_path_as_it_was(monkeypatch):
     once = os.environ["PATH"]
     grading._course_config(ROOT)
     assert os.environ["PATH"] == once == os.path.dirname(sys.executable) + os.pathsep + "/usr/bin"
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked_from_the_zygote", "started_as_a_process"])
+def test_a_graders_pythonoptimize_does_not_strip_the_tests_asserts(course, tmp_path, monkeypatch, forked):
+    """PYTHONOPTIMIZE in the grader's environment (set for speed, say) reached a fresh verdict, whose tests'
+    asserts then vanished: every test said "passed" and only the grader's own figures were left to decide."""
+    monkeypatch.setenv("GCLAB_GRADE_FORK", "1" if forked else "0")
+    monkeypatch.setenv("PYTHONOPTIMIZE", "1")
+    path = _submit(course, tmp_path, "wrong", "def double(x):\n    return 3 * x")
+    [result] = grading.grade([path], root=course)
+    failed = [t for t in result.tests if t.status != "passed"]
+    assert failed and not any("your process reported" in t.message for t in failed), grading.format_results([result])

@@ -119,7 +119,8 @@ class _Started:
     """A verdict process started as a subprocess (a fresh Python)."""
 
     def __init__(self, job_bytes: bytes, workdir: str, channel: int, memory_limit):
-        argv = zygote.with_room([sys.executable, "-m", "gclab.grader.verdict", str(channel)], _room(workdir))
+        argv = zygote.with_room([sys.executable, *_python_flags(), "-m", "gclab.grader.verdict", str(channel)],
+                                _room(workdir))
         self.proc = subprocess.Popen(argv, cwd=workdir, env=_verdict_environment(), stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(channel,),
                                      start_new_session=True, preexec_fn=lambda: apply_limits(memory_limit))
@@ -187,6 +188,13 @@ def _verdict_environment() -> dict:
     return {**kept, "PATH": _job_environment()["PATH"]}
 
 
+def _python_flags() -> tuple:
+    """-O where the grader is asked to strip the tests' asserts (GCLAB_GRADE_STRIP_ASSERTS=1): each test then
+    runs to its end and says "passed" whatever failed, as a process that rewrote its results would, and only
+    the grader's own figures decide (autograder/grader_figures.py)."""
+    return ("-O",) if os.environ.get("GCLAB_GRADE_STRIP_ASSERTS") == "1" else ()
+
+
 def _forks() -> bool:
     return os.environ.get("GCLAB_GRADE_FORK") != "0" and zygote.available()
 
@@ -195,9 +203,9 @@ def verdict_conditions() -> dict:
     """How this grader starts a verdict process, which the figures of a run depend on, so that a reference
     is compared only with runs started alike: forked from the zygote or a fresh Python (which imports, in
     the tests' time, what the zygote loaded once: lesson 04's reference spent 1.63 s of CPU in a test where
-    a forked one spends 0.09 s), walled or not, and the interpreter's own variables (PYTHONOPTIMIZE drops
-    every assert) that reach the verdict."""
-    return {"forked": _forks(), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0",
+    a forked one spends 0.09 s), walled or not, with the tests' asserts stripped or not, and the
+    interpreter's own variables that reach the verdict."""
+    return {"forked": _forks(), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0", "flags": list(_python_flags()),
             "python": _python_variables(_verdict_environment())}
 
 
@@ -207,23 +215,23 @@ def _python_variables(env: dict) -> list:
 
 def _zygote(room: int):
     """A zygote server of this grader whose children have `room` for a kernel's command line and this
-    grader's Python variables, or None when GCLAB_GRADE_FORK=0 or there is none.  A verdict whose command line
+    grader's Python flags and variables, or None when GCLAB_GRADE_FORK=0 or there is none.  A verdict whose command line
     did not fit kept the zygote's, which names gclab (a grading folder deeper than the one the server was
     started for: `grade`, then `grade-class` in one process); a server no verdict uses is ended when
     another is needed.  The server returned is held for one verdict until `_release`."""
     if not _forks():
         return None
-    env = _verdict_environment()
+    env, flags = _verdict_environment(), _python_flags()
     with _ZYGOTE_LOCK:
         _ZYGOTE[:] = [server for server in _ZYGOTE if server.alive()]
-        fitting = next((server for server in _ZYGOTE if server.room == room
+        fitting = next((server for server in _ZYGOTE if server.room == room and server.flags == flags
                         and _python_variables(server.env) == _python_variables(env)), None)
         if fitting is None:
             for idle in [server for server in _ZYGOTE if not _FORKED.get(server)]:
                 _ZYGOTE.remove(idle)
                 _FORKED.pop(idle, None)
                 idle.close()
-            fitting = zygote.Zygote("gclab.grader.verdict", env=env, room=room)
+            fitting = zygote.Zygote("gclab.grader.verdict", env=env, room=room, flags=flags)
             _ZYGOTE.append(fitting)
         _FORKED[fitting] = _FORKED.get(fitting, 0) + 1
         return fitting

@@ -134,7 +134,9 @@ def _describe(error: BaseException) -> str:
 
 
 # Variables only a grader's environment has (nbgrader's, gclab grade's own settings, its warnings filter)
-GRADER_ONLY_VARIABLES = ("NBGRADER", "GCLAB_GRADE", "PYTHONWARNINGS")
+# PYTHONOPTIMIZE too: a verdict never drops the tests' asserts, whatever the grader's environment says
+# (`GCLAB_GRADE_STRIP_ASSERTS=1` asks for it, to see what the grader's own figures leave standing)
+GRADER_ONLY_VARIABLES = ("NBGRADER", "GCLAB_GRADE", "PYTHONWARNINGS", "PYTHONOPTIMIZE")
 
 
 def _quiet_and_local(workdir: str, notebook: str = "") -> None:
