@@ -47,7 +47,7 @@ class Zygote:
         # a requester that may not be traced (gclab.grader.sandbox.shield) has a server that may not be either
         argv = [sys.executable, "-I", *flags, "-m", "gclab.zygote", str(theirs.fileno()), module,
                 "dumpable" if _dumpable() else "undumpable"]
-        self.room, self.env, self.flags = room, env, tuple(flags)
+        self.room, self.flags = room, tuple(flags)
         self.proc = subprocess.Popen(with_room(argv, room),
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),

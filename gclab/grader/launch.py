@@ -170,7 +170,7 @@ class _Forked:
         _release(self.server)
 
 
-_ZYGOTE: list = []                # the zygote servers running, one for each room and Python variables
+_ZYGOTE: list = []                # the zygote servers running, one for each room and Python flags
 _FORKED: dict = {}                # zygote server -> its verdicts still running, or about to be forked
 _ZYGOTE_LOCK = threading.Lock()
 
@@ -206,32 +206,28 @@ def verdict_conditions() -> dict:
     a forked one spends 0.09 s), walled or not, with the tests' asserts stripped or not, and the
     interpreter's own variables that reach the verdict."""
     return {"forked": _forks(), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0", "flags": list(_python_flags()),
-            "python": _python_variables(_verdict_environment())}
-
-
-def _python_variables(env: dict) -> list:
-    return sorted((name, value) for name, value in env.items() if name.startswith("PYTHON"))
+            "python": sorted((name, value) for name, value in _verdict_environment().items()
+                             if name.startswith("PYTHON"))}
 
 
 def _zygote(room: int):
     """A zygote server of this grader whose children have `room` for a kernel's command line and this
-    grader's Python flags and variables, or None when GCLAB_GRADE_FORK=0 or there is none.  A verdict whose command line
-    did not fit kept the zygote's, which names gclab (a grading folder deeper than the one the server was
+    grader's Python flags (it runs isolated from PYTHON* variables), or None when GCLAB_GRADE_FORK=0 or
+    there is none.  A verdict whose command line did not fit kept the zygote's, which names gclab (a grading folder deeper than the one the server was
     started for: `grade`, then `grade-class` in one process); a server no verdict uses is ended when
     another is needed.  The server returned is held for one verdict until `_release`."""
     if not _forks():
         return None
-    env, flags = _verdict_environment(), _python_flags()
+    flags = _python_flags()
     with _ZYGOTE_LOCK:
         _ZYGOTE[:] = [server for server in _ZYGOTE if server.alive()]
-        fitting = next((server for server in _ZYGOTE if server.room == room and server.flags == flags
-                        and _python_variables(server.env) == _python_variables(env)), None)
+        fitting = next((server for server in _ZYGOTE if server.room == room and server.flags == flags), None)
         if fitting is None:
             for idle in [server for server in _ZYGOTE if not _FORKED.get(server)]:
                 _ZYGOTE.remove(idle)
                 _FORKED.pop(idle, None)
                 idle.close()
-            fitting = zygote.Zygote("gclab.grader.verdict", env=env, room=room, flags=flags)
+            fitting = zygote.Zygote("gclab.grader.verdict", env=_verdict_environment(), room=room, flags=flags)
             _ZYGOTE.append(fitting)
         _FORKED[fitting] = _FORKED.get(fitting, 0) + 1
         return fitting
