@@ -46,10 +46,12 @@ class Reading:
     threads: int
     processes: int
     gpu: int | None     # device bytes the driver reports for them; None without NVML
+    charged: int | None = None        # bytes charged to their memory cgroup (gclab.grader.memory_group) ...
+    charged_peak: int | None = None   # ... and its peak since the last reading; None without one
 
     def as_dict(self) -> dict:
         return {"rss": self.rss, "peak": self.peak, "cpu_ns": self.cpu_ns, "threads": self.threads,
-                "processes": self.processes, "gpu": self.gpu}
+                "processes": self.processes, "gpu": self.gpu, "charged": self.charged}
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -16,7 +16,7 @@ from test_lesson_07 import POINTS, RELEASE, reference, strong
 from test_lesson_04 import RELEASE as RELEASE_04, WRONG as WRONG_04, view as view_04
 from test_lesson_06 import REFERENCE as RIGHT_POLICY_06, RELEASE as RELEASE_06
 
-from gclab.grader import grading
+from gclab.grader import grading, memory_group
 
 # An array over any address: what the attacks below read and write memory with.
 ANY_ADDRESS = '''
@@ -535,3 +535,77 @@ def test_views_left_in_cycles_and_paged_out_to_swap_are_still_counted(tmp_path, 
     assert lying.score == 3, grading.format_results([lying])
     failed = cell_result(lying, "test_no_cycle")
     assert failed.status == "failed" and "resident memory (swap included)" in failed.message, failed.message
+
+
+# Lesson 04's views left in cycles, and each new view moves the batch the view made before it holds into shared
+# memory: the batch's pages are mapped over, at the same address, by a memfd holding the same bytes, then dropped
+# from the process (MADV_DONTNEED); the data stays in the memfd, which no process's resident figure counts
+VIEWS_MOVED_TO_SHARED_MEMORY = view_04(extra='''
+import ctypes as _ctypes, mmap as _mmap, os as _os
+_libc = _ctypes.CDLL(None)
+_libc.mmap.restype = _ctypes.c_void_p
+_libc.mmap.argtypes = [_ctypes.c_void_p, _ctypes.c_size_t, _ctypes.c_int, _ctypes.c_int, _ctypes.c_int, _ctypes.c_long]
+_libc.madvise.argtypes = [_ctypes.c_void_p, _ctypes.c_size_t, _ctypes.c_int]
+_held = []
+
+def _move_to_shared_memory(buffer):
+    start = -(-buffer.data_ptr() // 4096) * 4096
+    length = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // 4096 * 4096 - start
+    if length <= 0:
+        return
+    fd = _os.memfd_create("batch")
+    _os.pwrite(fd, _ctypes.string_at(start, length), 0)
+    _libc.mmap(start, length, _mmap.PROT_READ | _mmap.PROT_WRITE, _mmap.MAP_SHARED | 0x10, fd, 0)   # MAP_FIXED
+    _os.close(fd)
+    _libc.madvise(start, length, 4)       # MADV_DONTNEED: the pages leave the process, the memfd keeps them
+
+def _move_earlier(pending):
+    while _held:
+        _move_to_shared_memory(_held.pop())
+    _libc.malloc_trim(0)
+    _held.append(pending.buffer)
+
+_init = BatchView.__init__
+def _moving_init(self, pending, rows, keep_columns):
+    _move_earlier(pending)
+    _init(self, pending, rows, keep_columns)
+BatchView.__init__ = _moving_init
+''')
+
+# ... and, each time, resets the peak the kernel keeps of its cgroup, having tried to leave the cgroup first
+# (through libc, around the guard inside the process: what refuses it is the kernel's read-only mount)
+_GROUP = '''
+_group = "/sys/fs/cgroup/memory" + [l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if ":memory:" in l][0]
+def _try_writing(path, text):
+    fd = _libc.open(path.encode(), _os.O_WRONLY)
+    if fd >= 0:
+        _libc.write(fd, text.encode(), len(text))
+        _libc.close(fd)
+_try_writing(_os.path.join(_os.path.dirname(_group), "cgroup.procs"), str(_os.getpid()))
+_moved = _move_to_shared_memory
+def _move_to_shared_memory(buffer):
+    _moved(buffer)
+    _try_writing(_os.path.join(_group, "memory.max_usage_in_bytes"), "0")
+'''
+VIEWS_MOVED_TO_SHARED_MEMORY_AND_PEAK_RESET = VIEWS_MOVED_TO_SHARED_MEMORY.replace(
+    "\n_init = BatchView.__init__\n", _GROUP + "\n_init = BatchView.__init__\n")
+
+
+def test_views_left_in_cycles_and_moved_into_shared_memory_are_still_counted(tmp_path, monkeypatch):
+    """The lying views above, each batch moved into a memfd and dropped from the process's pages once a newer
+    view is made. While the grader read the process's resident figures alone, test_no_cycle's 2 points stood
+    (5/8; the honest wrong fix gets 3/8): its batches were in shared memory, which no process's figure counts.
+    Each verdict now runs in a memory cgroup of its own (`gclab.grader.memory_group`), whose peak the kernel
+    keeps of every page charged to it, shared memory and the page cache included. Behind the kernel's walls the
+    cgroup's files are read-only: the process can neither reset that peak nor leave its cgroup."""
+    if memory_group.available() is not None:
+        pytest.skip(f"no memory cgroup here: {memory_group.available()}")
+    paths = write_variants(RELEASE_04, {
+        "cheat_moves_views_into_shared_memory": VIEWS_MOVED_TO_SHARED_MEMORY,
+        "cheat_moves_views_into_shared_memory_and_resets_its_cgroups_peak": VIEWS_MOVED_TO_SHARED_MEMORY_AND_PEAK_RESET,
+    }, tmp_path)
+    monkeypatch.setenv("GCLAB_GRADE_STRIP_ASSERTS", "1")
+    for lying in grading.grade(list(paths.values()), root=ROOT):
+        assert lying.score == 3, grading.format_results([lying])
+        failed = cell_result(lying, "test_no_cycle")
+        assert failed.status == "failed" and "memory charged to your process" in failed.message, failed.message

@@ -113,6 +113,28 @@ def test_memory_a_reference_freed_is_not_asked_of_the_learner():
                                                              "peak_growth": 5 * MiB}, ref) is None
 
 
+def test_memory_charged_to_the_verdicts_cgroup_over_the_references_is_refuted():
+    # memory moved into a memfd and dropped from the process's pages: resident figures flat, the cgroup's not
+    ref = _ref()
+    ref["measured"].update(charged_growth=0, charged_peak_growth=3 * MiB)
+    flat = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0, "charged_growth": 0}
+    why = measured.confirm("passed", [["s", [1.0, 2.0]]], {**flat, "charged_peak_growth": 68 * MiB}, ref)
+    assert why == ("your process reported that the test passed; the system measured 68.0 MiB more peak memory "
+                   "charged to your process's cgroup (shared memory and the files it wrote included) over the test, "
+                   "where the reference solution's grew 3.0 MiB (allowed: 35.8 MiB)")
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], {**flat, "charged_peak_growth": 4 * MiB}, ref) is None
+
+
+def test_a_process_that_left_its_cgroup_is_refuted_and_a_reference_without_one_asks_nothing():
+    ref = _ref()
+    ref["measured"].update(charged_growth=0, charged_peak_growth=0)
+    left = {"cpu_s": 1.0, "rss_growth": 0, "peak_growth": 0, "charged_growth": None, "charged_peak_growth": None}
+    assert "left the memory cgroup" in measured.confirm("passed", [["s", [1.0, 2.0]]], left, ref)
+    assert measured.confirm("passed", [["s", [1.0, 2.0]]], left, _ref()) is None
+    between = measured.outside_the_tests({"rss_growth": 0, "charged_growth": None}, [left])
+    assert "left the memory cgroup" in measured.whole_run_disagrees(between, {"rss_growth": 0, "charged_growth": 0})
+
+
 def test_a_result_without_its_start_is_refuted():
     assert "saw no test run" in measured.confirm("passed", [["s", [1.0, 2.0]]], {}, _ref())
 
@@ -205,6 +227,9 @@ def test_memory_that_grew_between_tests_is_measured_apart_from_the_tests():
     assert between == {"rss_growth": 190 * MiB}
     assert "between its tests" in measured.whole_run_disagrees(between, {"rss_growth": 2 * MiB})
     assert measured.whole_run_disagrees({"rss_growth": 20 * MiB}, {"rss_growth": 2 * MiB}) is None
+    charged = measured.outside_the_tests({"rss_growth": 0, "charged_growth": 300 * MiB}, [{"charged_growth": 10 * MiB}])
+    assert "more memory charged to your process's cgroup" in measured.whole_run_disagrees(
+        charged, {"rss_growth": 0, "charged_growth": 0})
 
 
 def test_hidden_code_is_redacted_however_it_came_back_and_its_messages_are_not():

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .. import zygote
-from . import measured, sandbox
+from . import measured, memory_group, sandbox
 from .cells import _answers_of, _meta, top_level_names
 from .results import TestResult
 from .tampering import imported_tools
@@ -203,9 +203,10 @@ def verdict_conditions() -> dict:
     """How this grader starts a verdict process, which the figures of a run depend on, so that a reference
     is compared only with runs started alike: forked from the zygote or a fresh Python (which imports, in
     the tests' time, what the zygote loaded once: lesson 04's reference spent 1.63 s of CPU in a test where
-    a forked one spends 0.09 s), walled or not, with the tests' asserts stripped or not, and the
-    interpreter's own variables that reach the verdict."""
+    a forked one spends 0.09 s), walled or not, in a memory cgroup of its own or not, with the tests' asserts
+    stripped or not, and the interpreter's own variables that reach the verdict."""
     return {"forked": _forks(), "walls": os.environ.get("GCLAB_GRADE_WALLS") != "0", "flags": list(_python_flags()),
+            "memory_group": memory_group.available() is None,
             "python": sorted((name, value) for name, value in _verdict_environment().items()
                              if name.startswith("PYTHON"))}
 
@@ -314,12 +315,17 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
     points = {t["id"]: t["points"] for t in job["tests"]}
     ours, theirs = socket.socketpair()      # lines from the verdict; a byte back once the grader has read
     read_end = ours.detach()
+    group = memory_group.MemoryGroup.made()      # the verdict joins it before the learner's code runs
     try:
-        proc = _start_verdict(job, theirs.fileno(), memory_limit)
+        proc = _start_verdict({**job, "memory_group": group and group.path}, theirs.fileno(), memory_limit)
+    except BaseException:
+        if group is not None:
+            group.remove()
+        raise
     finally:
         theirs.close()
     channel = _Channel(read_end, job["token"])
-    watch = measured.Watch(proc.pid)      # the verdict process leads a session of its own
+    watch = measured.Watch(proc.pid, group)      # the verdict process leads a session of its own
     results, walled_in = {}, None      # the user namespace it runs the learner's code in
 
     def result(test_id, status, message, output="", figures=None, observed=None):
@@ -381,6 +387,8 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
         proc.end()
         sandbox.end_within(walled_in)     # what the learner's code started and left, in a session of its own too
         os.close(read_end)
+        if group is not None:
+            group.remove()
     if channel.forged:
         for test_id in results:
             result(test_id, "tampered", "the submission wrote to the grader's result channel", results[test_id].output)

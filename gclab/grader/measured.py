@@ -23,6 +23,7 @@ words, what the process reported and what the system measured.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -46,6 +47,7 @@ WORK_FLOOR_S = 0.05          # ... where the reference spends at least this much
 # right answer's, which a 24 MiB slack failed 4 times in 6
 TEST_SLACK, RUN_SLACK, SHARE = 32 * MiB, 48 * MiB, 0.25
 CALL_FACTOR = 2              # a call may take this many times the reference's same call, plus half a collection
+CHARGED = "memory charged to your process's cgroup (shared memory and the files it wrote included)"
 STRETCH_FLOOR_S = 0.010      # the least "longest stretch" of a reference's server that a load is judged against
 
 
@@ -56,8 +58,9 @@ class Watch:
     The whole run is read from the first test's start: memory the answer cells take once (a library they
     import) is theirs; whatever the tests drive, inside their windows or between them, is counted."""
 
-    def __init__(self, sid: int):
+    def __init__(self, sid: int, group=None):
         self.sid, self.before_answers, self.first, self.final, self.peak = sid, None, None, None, 0
+        self.group, self.charged_peak, self.left_group = group, 0, False    # its memory cgroup, if any
         self.window = None
         self.answers: dict = {}
         self.pids: list[int] = []
@@ -67,10 +70,26 @@ class Watch:
 
     def _read(self) -> procfs.Reading:
         reading = procfs.read(self.sid)
+        if self.group is not None:
+            charged = self.group.read(procfs.session_members(self.sid))
+            if charged is not None:
+                reading = dataclasses.replace(reading, charged=charged[0], charged_peak=charged[1])
         if self.first is not None:
             self.peak = max(self.peak, reading.peak)
+            if reading.charged is None:
+                self.left_group = True
+            else:
+                self.charged_peak = max(self.charged_peak, reading.charged_peak)
         procfs.reset_peaks(self.sid)
         return reading
+
+    def _between(self, start: procfs.Reading, end: procfs.Reading, peak: int, charged_peak: int | None) -> dict:
+        figures = _between(start, end, peak)
+        if self.group is not None:
+            grew = None not in (start.charged, end.charged, charged_peak)
+            figures["charged_growth"] = end.charged - start.charged if grew else None
+            figures["charged_peak_growth"] = max(charged_peak, end.charged) - start.charged if grew else None
+        return figures
 
     def ready(self) -> None:
         self.before_answers = self._read()
@@ -81,7 +100,7 @@ class Watch:
         if self.first is None:
             self.first = self.window
             if self.before_answers is not None:
-                self.answers = _between(self.before_answers, self.first, self.first.peak)
+                self.answers = self._between(self.before_answers, self.first, self.first.peak, self.first.charged_peak)
 
     def mark(self) -> None:
         """A boundary of a call the test's code makes (gclab.outside): the CPU time now."""
@@ -108,7 +127,7 @@ class Watch:
             return {}
         start, end = self.window, self._read()
         self.window = None
-        figures = _between(start, end, end.peak)
+        figures = self._between(start, end, end.peak, end.charged_peak)
         if len(self.marks) > 1:
             figures["calls"] = [round((b - a) / 1e9, 6) for a, b in zip(self.marks, self.marks[1:])]
         if self.loads:
@@ -122,7 +141,8 @@ class Watch:
             return {}
         if self.final is None:
             self.final = self._read()
-        figures = {**_between(self.first, self.final, self.peak), "answers": self.answers}
+        charged_peak = None if self.left_group else self.charged_peak
+        figures = {**self._between(self.first, self.final, self.peak, charged_peak), "answers": self.answers}
         if len(self.prices) >= 2:
             figures["full_collection_cpu_s"] = statistics.median(
                 (b - a) / 1e9 for a, b in zip(self.prices, self.prices[1:]))
@@ -327,17 +347,26 @@ def _figures_disagree(measured: dict, ref: dict, slack: int, span: str) -> str |
     if ref_cpu >= WORK_FLOOR_S and cpu < WORK_FRACTION * ref_cpu:
         return (f"your process reported that the test passed, but the system measured {cpu:.3f} s on the CPU "
                 f"{span}, where the reference solution spends {ref_cpu:.2f} s: the test's work did not run")
-    for key, what in (("rss_growth", "resident memory (swap included)"),
-                      ("peak_growth", "peak resident memory (swap included)"),
-                      ("gpu_growth", "GPU memory (the driver's figure)")):
-        if key not in measured or key not in ref:
+    for key, what in MEMORY_FIGURES:
+        if key not in measured or ref.get(key) is None:
             continue
+        if measured[key] is None:
+            return _LEFT_THE_GROUP
         allowed = _allowed(ref[key], slack)
         if measured[key] > allowed:
             return (f"your process reported that the test passed; the system measured {_mib(measured[key])} more "
                     f"{what} {span}, where the reference solution's grew {_mib(ref[key])} "
                     f"(allowed: {_mib(allowed)})")
     return None
+
+
+MEMORY_FIGURES = (("rss_growth", "resident memory (swap included)"),
+                  ("peak_growth", "peak resident memory (swap included)"),
+                  ("charged_growth", CHARGED),
+                  ("charged_peak_growth", "peak " + CHARGED),
+                  ("gpu_growth", "GPU memory (the driver's figure)"))
+_LEFT_THE_GROUP = ("your process reported that the test passed, but the grader could not read the memory charged to "
+                   "it: a process of the verdict left the memory cgroup the grader made for it")
 
 
 def _allowed(reference_growth: int, slack: int) -> float:
@@ -350,21 +379,29 @@ def _allowed(reference_growth: int, slack: int) -> float:
 def outside_the_tests(whole: dict, tests) -> dict:
     """The whole run's growth less what the tests' own windows grew: what grew while no test ran (code
     of the learner's in a thread, a finalizer, between tests)."""
-    if not whole or "rss_growth" not in whole:
+    if not whole:
         return {}
-    return {"rss_growth": whole["rss_growth"] - sum(m.get("rss_growth", 0) for m in tests)}
+    between = {}
+    for key in ("rss_growth", "charged_growth"):
+        if key in whole:
+            within = [m.get(key, 0) for m in tests]
+            between[key] = None if whole[key] is None or None in within else whole[key] - sum(within)
+    return between
 
 
 def whole_run_disagrees(measured: dict, ref: dict) -> str | None:
     """Why the memory that grew between the tests (from the first test's start to the end, less the
     tests' own windows) refutes the tests' "passed", or None."""
-    if not measured or not ref or "rss_growth" not in measured or "rss_growth" not in ref:
-        return None
-    allowed = _allowed(ref["rss_growth"], RUN_SLACK)
-    if measured["rss_growth"] > allowed:
-        return (f"your process reported that its tests passed; the system measured {_mib(measured['rss_growth'])} "
-                f"more memory held by your process between its tests (while no test ran), where the reference "
-                f"solution's grew {_mib(ref['rss_growth'])} (allowed: {_mib(allowed)})")
+    for key, what in (("rss_growth", "memory held by your process"), ("charged_growth", CHARGED)):
+        if key not in measured or ref.get(key) is None:
+            continue
+        if measured[key] is None:
+            return _LEFT_THE_GROUP.replace("the test passed", "its tests passed")
+        allowed = _allowed(ref[key], RUN_SLACK)
+        if measured[key] > allowed:
+            return (f"your process reported that its tests passed; the system measured {_mib(measured[key])} "
+                    f"more {what} between its tests (while no test ran), where the reference "
+                    f"solution's grew {_mib(ref[key])} (allowed: {_mib(allowed)})")
     return None
 
 

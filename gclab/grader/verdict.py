@@ -27,6 +27,8 @@ import tempfile
 import types
 from json.encoder import encode_basestring_ascii as _quoted     # in C
 
+from . import memory_group
+
 _write, _read = os.write, os.read
 
 
@@ -253,6 +255,7 @@ def _load_instruments():
 
 def run(job: dict, channel: int) -> None:
     token = _Token(job.pop("token"))
+    memory_group.join(job.get("memory_group"))      # first: all it and what it starts take is counted there
     job["walls"] = _wall_in(job)
     _quiet_and_local(job["workdir"], job.get("notebook", ""))
     shell_class = _load_instruments()

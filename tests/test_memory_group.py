@@ -1,0 +1,99 @@
+"""A memory cgroup of its own for each verdict (gclab.grader.memory_group): the kernel's count of every page
+charged to its processes, shared memory included, which a process's resident figures miss."""
+import contextlib
+import mmap
+import os
+
+import pytest
+
+from gclab import procfs
+from gclab.grader import memory_group
+
+MiB = 1024 * 1024
+
+pytestmark = pytest.mark.skipif(memory_group.available() is not None,
+                                reason=f"no memory cgroup here: {memory_group.available()}")
+
+
+@contextlib.contextmanager
+def _child_in(group, work):
+    """A child in a session of its own that joins `group`, runs `work()` and waits, holding what it returned,
+    until the block ends; its pid."""
+    ready, go = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            memory_group.join(group.path)
+            kept = work()
+            os.write(ready[1], b"x")
+            os.read(go[0], 1)
+            del kept
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready[0], 1)
+        yield pid
+    finally:
+        os.write(go[1], b"x")
+        os.waitpid(pid, 0)
+        group.remove()
+
+
+def _kept_in_a_memfd_and_dropped(size=64 * MiB):
+    fd = os.memfd_create("kept")
+    os.ftruncate(fd, size)
+    kept = mmap.mmap(fd, size, mmap.MAP_SHARED)
+    for at in range(0, size, MiB):
+        kept[at:at + MiB] = b"\1" * MiB
+    kept.madvise(mmap.MADV_DONTNEED)        # out of the process's pages; the memfd keeps the bytes
+    assert kept[size - 1] == 1
+    return kept
+
+
+def _touched_and_freed(size=32 * MiB):
+    bytearray(size)
+
+
+def test_memory_moved_into_a_memfd_and_dropped_is_charged_to_the_group_not_resident():
+    group = memory_group.MemoryGroup.made()
+    with _child_in(group, _kept_in_a_memfd_and_dropped) as pid:
+        charged, peak = group.read([pid])
+        resident = procfs.read(pid).rss
+    assert charged >= 64 * MiB and peak >= charged
+    assert resident < 64 * MiB
+
+
+def test_the_peak_is_reset_at_each_reading():
+    group = memory_group.MemoryGroup.made()
+    with _child_in(group, _touched_and_freed) as pid:
+        (_, first), (charged, second) = group.read([pid]), group.read([pid])
+    assert first >= 32 * MiB and second < 8 * MiB and charged < 8 * MiB, (first, second, charged)
+
+
+def test_a_process_that_left_its_group_is_read_as_none():
+    group = memory_group.MemoryGroup.made()
+    own = memory_group._own_folder()
+    with _child_in(group, lambda: memory_group.join(own)) as pid:
+        assert group.read([pid]) is None
+
+
+def test_groups_left_by_a_grader_that_ended_are_removed_and_a_running_graders_are_not():
+    parent = memory_group._own_folder()
+    ended = os.path.join(parent, f"{memory_group.PREFIX}999999999-0000")
+    ours = os.path.join(parent, f"{memory_group.PREFIX}{os.getpid()}-0000")
+    os.mkdir(ended)
+    os.mkdir(ours)
+    try:
+        memory_group.MemoryGroup(parent).remove()
+        assert not os.path.exists(ended) and os.path.exists(ours)
+    finally:
+        for path in (ended, ours):
+            if os.path.exists(path):
+                os.rmdir(path)
+
+
+def test_a_grader_told_to_make_none_makes_none(monkeypatch):
+    monkeypatch.setenv("GCLAB_GRADE_MEMORY_GROUP", "0")
+    assert "GCLAB_GRADE_MEMORY_GROUP=0" in memory_group.available()
+    assert memory_group.MemoryGroup.made() is None
