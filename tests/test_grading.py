@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from gclab.grader import grading, measured
+from gclab.grader import grading, measured, memory_group
 from toy_course import lesson, make_course
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -909,3 +909,34 @@ def test_a_graders_pythonoptimize_does_not_strip_the_tests_asserts(course, tmp_p
     [result] = grading.grade([path], root=course)
     failed = [t for t in result.tests if t.status != "passed"]
     assert failed and not any("your process reported" in t.message for t in failed), grading.format_results([result])
+
+
+def _inflating(monkeypatch, key: str, runs: int) -> list:
+    """run_verdict, with `key` of every test's figures raised by 500 MiB in its first `runs` calls (a cold page
+    cache charging the files read to the verdict's memory cgroup; or a process that hid memory); the calls."""
+    real, calls = grading.run_verdict, []
+
+    def run_verdict(job, **kwargs):
+        results = real(job, **kwargs)
+        calls.append(job["tests"])
+        if len(calls) <= runs:
+            for result in results.values():
+                result.measured[key] = result.measured.get(key, 0) + 500 * 1024 * 1024
+        return results
+    monkeypatch.setattr(grading, "run_verdict", run_verdict)
+    return calls
+
+
+@pytest.mark.skipif(memory_group.available() is not None, reason="no memory cgroup here")
+@pytest.mark.parametrize("inflated, runs, graded, score", [
+    ("charged_peak_growth", 1, 2, 2),       # a cold cache: the second run's figures decide
+    ("charged_peak_growth", 9, 2, 0),       # charged in both runs: refuted
+    ("peak_growth", 1, 1, 0),               # the resident figures refute alone: no second run
+], ids=["charged_once_then_not", "charged_every_time", "resident_figures_over"])
+def test_a_pass_refuted_by_its_cgroups_charges_alone_is_graded_once_more(course, tmp_path, monkeypatch,
+                                                                        inflated, runs, graded, score):
+    grading.reference_of(course, "toy")
+    path = _submit(course, tmp_path, "right", "def double(x):\n    return 2 * x")
+    calls = _inflating(monkeypatch, inflated, runs)
+    result, = grading.grade([path], root=course)
+    assert (len(calls), result.score) == (graded, score), grading.format_results([result])

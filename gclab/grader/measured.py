@@ -14,7 +14,9 @@ decides it.  A test's point stands only when the grader, in its own process, con
    whose result arrives without its work having run did not run.
 3. **Memory.**  The process's resident memory and its peak over the test (`VmRSS`, `VmHWM` after
    resetting it at the test's start; each with what it has in swap, `VmSwap`), and over the whole run,
-   stayed within a margin of the reference's; on a GPU, the driver's figure for the process as well.
+   stayed within a margin of the reference's; so did what the kernel charged to the verdict's memory cgroup,
+   and its peak, where it has one (`memory_group`: shared memory and the page cache included, which memory
+   moved out of the process's pages stays in); on a GPU, the driver's figure for the process as well.
 
 `Watch` takes the readings as the verdict process's messages arrive; `reference` runs the
 reference solution once per lesson, source and machine and keeps its figures; `confirm` turns a
@@ -367,6 +369,11 @@ MEMORY_FIGURES = (("rss_growth", "resident memory (swap included)"),
                   ("gpu_growth", "GPU memory (the driver's figure)"))
 _LEFT_THE_GROUP = ("your process reported that the test passed, but the grader could not read the memory charged to "
                    "it: a process of the verdict left the memory cgroup the grader made for it")
+
+
+def without_charges(figures: dict) -> dict:
+    """`figures` less those of the verdict's memory cgroup."""
+    return {key: value for key, value in figures.items() if not key.startswith("charged_")}
 
 
 def _allowed(reference_growth: int, slack: int) -> float:

@@ -102,7 +102,7 @@ class MemoryGroup:
     def read(self, pids) -> tuple[int, int] | None:
         """(bytes charged to the group now, its peak since the last reading), the peak then reset; None where
         a process of `pids` is not in the group (it left, or never joined) or the group cannot be read."""
-        if any(_memory_path(pid) != self.cgroup for pid in pids):
+        if any(_memory_path(pid) not in (self.cgroup, None) for pid in pids):     # None: it ended since
             return None
         try:
             charged, peak = _number(os.path.join(self.path, USAGE)), _number(os.path.join(self.path, PEAK))
