@@ -35,8 +35,9 @@ def _figures(test) -> str:
     m = test.measured
     if not m:
         return f"{test.score:g}/{test.max_score:g} (no figures)"
+    charged = m.get("charged_peak_growth")
     return (f"{test.score:g}/{test.max_score:g} · {m['cpu_s']:.2f} s · {m['rss_growth'] / 2**20:+.1f} · "
-            f"{m['peak_growth'] / 2**20:+.1f} MiB")
+            f"{m['peak_growth'] / 2**20:+.1f}" + (f" · {charged / 2**20:+.1f}" if charged is not None else "") + " MiB")
 
 
 def _grade(path: Path, lying: bool = False):
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
     lessons = [name for name in grading.lessons(ROOT)
                if args.lessons is None or name[:2] in args.lessons]
     out = ["Cells: score · CPU seconds of the verdict process over the test · growth of its resident memory · "
-           "growth of its peak (MiB), as the grader read them from /proc.", ""]
+           "growth of its peak (MiB), as the grader read them from /proc · growth of the peak of what the kernel "
+           "charged to the verdict's memory cgroup (MiB; where the grader can make one).", ""]
     with tempfile.TemporaryDirectory() as folder:
         for lesson in lessons:
             out += lesson_table(lesson, Path(folder))
