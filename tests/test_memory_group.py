@@ -3,6 +3,7 @@ charged to its processes, shared memory included, which a process's resident fig
 import contextlib
 import mmap
 import os
+import time
 
 import pytest
 
@@ -61,12 +62,19 @@ def test_memory_moved_into_a_memfd_and_dropped_from_the_process_is_charged_to_it
     assert charged >= 64 * MiB and peak >= charged
 
 
-def test_a_process_that_ended_is_no_process_outside_the_group():
+def test_a_process_that_ended_is_no_process_outside_the_group_reaped_or_not():
+    # /proc showed a zombie in the hierarchy's root here (kernel 6.18): read as outside, a verdict's child that had just ended
+    # would refute every test
     group = memory_group.MemoryGroup.made()
     with _child_in(group, lambda: None) as pid:
         ended = os.fork()
         if ended == 0:
+            memory_group.join(group.path)
             os._exit(0)
+        deadline = time.monotonic() + 10
+        while not memory_group._ended(ended) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert group.read([pid, ended]) is not None
         os.waitpid(ended, 0)
         assert group.read([pid, ended]) is not None
 

@@ -102,7 +102,7 @@ class MemoryGroup:
     def read(self, pids) -> tuple[int, int] | None:
         """(bytes charged to the group now, its peak since the last reading), the peak then reset; None where
         a process of `pids` is not in the group (it left, or never joined) or the group cannot be read."""
-        if any(_memory_path(pid) not in (self.cgroup, None) for pid in pids):     # None: it ended since
+        if any(self._outside(pid) for pid in pids):
             return None
         try:
             charged, peak = _number(os.path.join(self.path, USAGE)), _number(os.path.join(self.path, PEAK))
@@ -111,6 +111,12 @@ class MemoryGroup:
         except (OSError, ValueError):
             return None
         return charged, max(peak, charged)
+
+    def _outside(self, pid: int) -> bool:
+        """Is `pid` a running process outside the group?  One that ended is in none: /proc shows a zombie,
+        not yet reaped, in the hierarchy's root, and one reaped since the session was listed not at all."""
+        path = _memory_path(pid)
+        return path not in (self.cgroup, None) and not _ended(pid)
 
     def remove(self) -> None:
         """Remove the group once its processes have ended (a process killed is gone from it once reaped)."""
@@ -126,6 +132,14 @@ def join(path: str | None) -> None:
             f.write(str(os.getpid()))
     except OSError:
         pass            # the grader sees the process outside its group and reads no figure of it
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _number(path: str) -> int:
