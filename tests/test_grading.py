@@ -940,3 +940,15 @@ def test_a_pass_refuted_by_its_cgroups_charges_alone_is_graded_once_more(course,
     calls = _inflating(monkeypatch, inflated, runs)
     result, = grading.grade([path], root=course)
     assert (len(calls), result.score) == (graded, score), grading.format_results([result])
+
+
+def test_a_grader_that_can_make_no_memory_cgroup_says_so_once(course, tmp_path, monkeypatch, capfd):
+    from gclab.grader import launch
+    monkeypatch.setattr(launch, "_SAID", set())
+    monkeypatch.setenv("GCLAB_GRADE_MEMORY_GROUP", "0")
+    paths = [_submit(course, tmp_path, name, "def double(x):\n    return 2 * x") for name in ("one", "two")]
+    results = grading.grade(paths, root=course)
+    assert [r.score for r in results] == [2, 2], grading.format_results(results)
+    said = capfd.readouterr().err
+    assert said.count("the grader makes no memory cgroup for its verdicts on this machine (the grader was told "
+                      "to make none (GCLAB_GRADE_MEMORY_GROUP=0))") == 1, said

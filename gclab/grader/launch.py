@@ -316,6 +316,8 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
     ours, theirs = socket.socketpair()      # lines from the verdict; a byte back once the grader has read
     read_end = ours.detach()
     group = memory_group.MemoryGroup.made()      # the verdict joins it before the learner's code runs
+    if group is None:
+        _say_once_ungrouped()
     try:
         proc = _start_verdict({**job, "memory_group": group and group.path}, theirs.fileno(), memory_limit)
     except BaseException:
@@ -395,19 +397,28 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
     return results
 
 
-_SAID_UNWALLED: list = []
+_SAID: set = set()
+
+
+def _say_once(what: str, text: str) -> None:
+    """Tell whoever grades, once per grader, what this machine leaves out of the grader's reach."""
+    if what not in _SAID:
+        _SAID.add(what)
+        print(f"gclab grade: {text} (README: What decides a grade).", file=sys.stderr, flush=True)
 
 
 def _say_once_unwalled(why) -> None:
-    """Tell whoever grades, once, that the learner's code runs without the kernel's walls here."""
-    if _SAID_UNWALLED:
-        return
-    _SAID_UNWALLED.append(why)
-    print(f"gclab grade: the learner's code runs without the kernel's walls on this machine "
-          f"({str(why or 'the verdict process is not walled in')[:300]}): only the guard inside its process "
-          "refuses it the course's files, and such code can get around that (ctypes, torch.save). On Ubuntu "
-          "24.04, `sudo sysctl kernel.apparmor_restrict_unprivileged_userns=0` lets the grader build them "
-          "(README: What decides a grade).", file=sys.stderr, flush=True)
+    _say_once("walls", f"the learner's code runs without the kernel's walls on this machine "
+              f"({str(why or 'the verdict process is not walled in')[:300]}): only the guard inside its process "
+              "refuses it the course's files, and such code can get around that (ctypes, torch.save). On Ubuntu "
+              "24.04, `sudo sysctl kernel.apparmor_restrict_unprivileged_userns=0` lets the grader build them")
+
+
+def _say_once_ungrouped() -> None:
+    _say_once("memory group", f"the grader makes no memory cgroup for its verdicts on this machine "
+              f"({memory_group.available() or 'a group could not be made'}): memory a submission moves into shared memory or a file it maps, "
+              "and drops from its own pages, is out of the grader's sight; a grader run as root, or in a "
+              "delegated cgroup v1 memory hierarchy, counts it")
 
 
 def _send_load(watch: measured.Watch, argv, server) -> list:
