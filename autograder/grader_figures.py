@@ -36,8 +36,9 @@ def _figures(test) -> str:
     if not m:
         return f"{test.score:g}/{test.max_score:g} (no figures)"
     charged = m.get("charged_peak_growth")
+    charged = f" · {charged / 2**20:+.1f}" if charged is not None else ""
     return (f"{test.score:g}/{test.max_score:g} · {m['cpu_s']:.2f} s · {m['rss_growth'] / 2**20:+.1f} · "
-            f"{m['peak_growth'] / 2**20:+.1f}" + (f" · {charged / 2**20:+.1f}" if charged is not None else "") + " MiB")
+            f"{m['peak_growth'] / 2**20:+.1f}{charged} MiB")
 
 
 def _grade(path: Path, lying: bool = False):

@@ -1,6 +1,7 @@
 """A memory cgroup of its own for each verdict (gclab.grader.memory_group): the kernel's count of every page
 charged to its processes, shared memory included, which a process's resident figures miss."""
 import contextlib
+import fcntl
 import mmap
 import os
 import time
@@ -51,6 +52,22 @@ def _kept_in_a_memfd_and_dropped(size=64 * MiB):
     return kept
 
 
+def _kept_in_pipes(count=32):
+    """`count` MiB written into pipes nobody reads: kernel memory, in no process's pages."""
+    pipes = []
+    for _ in range(count):
+        read, write = os.pipe()
+        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, MiB)
+        os.set_blocking(write, False)
+        try:
+            for _ in range(16):
+                os.write(write, b"\1" * (MiB // 16))
+        except BlockingIOError:
+            pass
+        pipes.append((read, write))
+    return pipes
+
+
 def _touched_and_freed(size=32 * MiB):
     bytearray(size)
 
@@ -77,6 +94,13 @@ def test_a_process_that_ended_is_no_process_outside_the_group_reaped_or_not():
         assert group.read([pid, ended]) is not None
         os.waitpid(ended, 0)
         assert group.read([pid, ended]) is not None
+
+
+def test_bytes_kept_in_pipe_buffers_are_charged_to_the_group():
+    group = memory_group.MemoryGroup.made()
+    with _child_in(group, _kept_in_pipes) as pid:
+        charged, _ = group.read([pid])
+    assert charged >= 32 * MiB
 
 
 def test_the_peak_is_reset_at_each_reading():

@@ -353,8 +353,9 @@ def _refuted_by_charges_alone(result: NotebookResult, reference: dict) -> bool:
     price = measured.collection_price(reference.get("run") or {}, result.measured)
     for test in result.tests:
         ref = reference["tests"].get(test.id)
+        uncharged = measured.without_charges(test.measured)
         if (measured.confirm(test.status, test.observed, test.measured, ref, price)
-                and not measured.confirm(test.status, test.observed, measured.without_charges(test.measured), ref, price)):
+                and not measured.confirm(test.status, test.observed, uncharged, ref, price)):
             return True
     ref_tests = [t.get("measured") or {} for t in reference["tests"].values()]
     ref_between = measured.outside_the_tests(reference.get("run") or {}, ref_tests)

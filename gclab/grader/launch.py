@@ -415,10 +415,11 @@ def _say_once_unwalled(why) -> None:
 
 
 def _say_once_ungrouped() -> None:
-    _say_once("memory group", f"the grader makes no memory cgroup for its verdicts on this machine "
-              f"({memory_group.available() or 'a group could not be made'}): memory a submission moves into shared memory or a file it maps, "
-              "and drops from its own pages, is out of the grader's sight; a grader run as root, or in a "
-              "delegated cgroup v1 memory hierarchy, counts it")
+    why = memory_group.available() or "a group could not be made"
+    _say_once("memory group", f"the grader makes no memory cgroup for its verdicts on this machine ({why}): "
+              "memory a submission moves into shared memory or a file it maps, and drops from its own pages, is "
+              "out of the grader's sight; a grader run as root, or in a delegated cgroup v1 memory hierarchy, "
+              "counts it")
 
 
 def _send_load(watch: measured.Watch, argv, server) -> list:
