@@ -942,7 +942,8 @@ def test_a_pass_refuted_by_its_cgroups_charges_alone_is_graded_once_more(course,
     assert (len(calls), result.score) == (graded, score), grading.format_results([result])
 
 
-def test_a_grader_that_can_make_no_memory_cgroup_says_so_once(course, tmp_path, monkeypatch, capfd):
+@pytest.mark.skipif(memory_group.available() is not None, reason="no memory cgroup here")
+def test_a_grader_that_can_make_no_memory_cgroup_says_so_once_and_in_each_result(course, tmp_path, monkeypatch, capfd):
     from gclab.grader import launch
     monkeypatch.setattr(launch, "_SAID", set())
     monkeypatch.setenv("GCLAB_GRADE_MEMORY_GROUP", "0")
@@ -952,3 +953,10 @@ def test_a_grader_that_can_make_no_memory_cgroup_says_so_once(course, tmp_path, 
     said = capfd.readouterr().err
     assert said.count("the grader makes no memory cgroup for its verdicts on this machine (the grader was told "
                       "to make none (GCLAB_GRADE_MEMORY_GROUP=0))") == 1, said
+    # and each result says it, for the class report (a cluster's workers show no terminal)
+    assert [r.unguarded for r in results] == [
+        ["without a memory cgroup (the grader was told to make none (GCLAB_GRADE_MEMORY_GROUP=0))"]] * 2
+    assert "unguarded" not in results[0].measured
+    monkeypatch.delenv("GCLAB_GRADE_MEMORY_GROUP")
+    guarded, = grading.grade(paths[:1], root=course)
+    assert guarded.score == 2 and not any("memory cgroup" in note for note in guarded.unguarded)

@@ -264,3 +264,17 @@ def test_a_submission_the_graders_figures_refuted_is_flagged_for_review(class_re
     assert "<h3>Refuted by the grader's figures</h3>" in section and "200.0 MiB more" in section
     assert ["dave", "03_node_leak", "6", f"refuted: {refuted}"] in _rows(paths["review"])
     assert report.cause_of(SimpleNamespace(status="failed", message=refuted.split(": ", 1)[1])) == report.REFUTED
+
+
+def test_submissions_graded_without_the_walls_or_a_memory_cgroup_are_counted_on_the_page(class_results, tmp_path):
+    # a grader's warning goes to its terminal, which a Dask worker's is not: the report says it
+    for result in class_results[:3]:
+        result.unguarded = ["without a memory cgroup (this machine has no cgroup v1 memory hierarchy)"]
+    class_results[0].unguarded.append("without the kernel's walls (user namespaces refused)")
+    page = report.class_report(class_results, tmp_path)["html"].read_text(encoding="utf-8")
+    assert ("3 graded without a memory cgroup (this machine has no cgroup v1 memory hierarchy); "
+            "1 graded without the kernel&#x27;s walls (user namespaces refused)") in page
+    for result in class_results:
+        result.unguarded = []
+    assert "graded without" not in report.class_report(class_results, tmp_path / "again")["html"].read_text()
+

@@ -344,8 +344,14 @@ def _run_tests(root, workdir, source_nb, submitted, result: NotebookResult, cond
     result.tests = [verdicts.get(t.id, TestResult(t.id, 0.0, t.max_score, "error",
                                                  "not graded: the grading process ended before this test"))
                     for t in _all_tests(source_nb, "", "")]
-    result.measured = whole[0] if len(whole) == 1 else {}
+    result.unguarded = list(dict.fromkeys(note for run in whole for note in run.get("unguarded", ())))
+    result.measured = _figures_of(whole)
     return job
+
+
+def _figures_of(whole: list) -> dict:
+    """The grader's figures of the whole run, where one verdict process ran it all."""
+    return {key: value for key, value in whole[0].items() if key != "unguarded"} if len(whole) == 1 else {}
 
 
 def _refuted_by_charges_alone(result: NotebookResult, reference: dict) -> bool:
@@ -385,7 +391,7 @@ def reference_figures(root: Path, assignment: str, notebook: str, source_nb, con
             verdicts = run_verdict(job, whole=whole, **conditions)
         return {"tests": {test_id: {"status": t.status, "message": t.message, "observed": t.observed,
                                     "measured": t.measured} for test_id, t in verdicts.items()},
-                "run": whole[0] if len(whole) == 1 else {}}
+                "run": _figures_of(whole)}
     cache = root / "autograder" / "work" / "cache" / (
         f"reference-{assignment}-{_source_key(root, assignment)}-"
         f"{measured.machine_key({**conditions, **verdict_conditions()})}.json")

@@ -316,8 +316,9 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
     ours, theirs = socket.socketpair()      # lines from the verdict; a byte back once the grader has read
     read_end = ours.detach()
     group = memory_group.MemoryGroup.made()      # the verdict joins it before the learner's code runs
+    unguarded = []                               # what this machine leaves out of the grader's reach
     if group is None:
-        _say_once_ungrouped()
+        unguarded.append(_say_once_ungrouped())
     try:
         proc = _start_verdict({**job, "memory_group": group and group.path}, theirs.fileno(), memory_limit)
     except BaseException:
@@ -357,7 +358,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
                 watch.ready()
                 walled_in = sandbox.hold(proc.pid)
                 if not sandbox.walled(proc.pid):
-                    _say_once_unwalled(message.get("walls"))
+                    unguarded.append(_say_once_unwalled(message.get("walls")))
             elif event == "start":
                 watch.start()
             elif event == "result":
@@ -384,7 +385,7 @@ def _run_verdict_once(job, cell_timeout, memory_limit, end, timeout, whole: list
                 result(message["test"], status, text, str(message.get("output", "")), figures,
                        observed if isinstance(observed, list) else [])
                 running = None
-        whole.append(watch.end())
+        whole.append({**watch.end(), "unguarded": unguarded})
     finally:
         proc.end()
         sandbox.end_within(walled_in)     # what the learner's code started and left, in a session of its own too
@@ -407,19 +408,24 @@ def _say_once(what: str, text: str) -> None:
         print(f"gclab grade: {text} (README: What decides a grade).", file=sys.stderr, flush=True)
 
 
-def _say_once_unwalled(why) -> None:
-    _say_once("walls", f"the learner's code runs without the kernel's walls on this machine "
-              f"({str(why or 'the verdict process is not walled in')[:300]}): only the guard inside its process "
-              "refuses it the course's files, and such code can get around that (ctypes, torch.save). On Ubuntu "
-              "24.04, `sudo sysctl kernel.apparmor_restrict_unprivileged_userns=0` lets the grader build them")
+def _say_once_unwalled(why) -> str:
+    """Say once that the learner's code runs without the kernel's walls here; in a few words, for the result."""
+    why = str(why or "the verdict process is not walled in")[:300]
+    _say_once("walls", f"the learner's code runs without the kernel's walls on this machine ({why}): only the "
+              "guard inside its process refuses it the course's files, and such code can get around that (ctypes, "
+              "torch.save). On Ubuntu 24.04, `sudo sysctl kernel.apparmor_restrict_unprivileged_userns=0` lets the "
+              "grader build them")
+    return f"without the kernel's walls ({why})"
 
 
-def _say_once_ungrouped() -> None:
+def _say_once_ungrouped() -> str:
+    """Say once that the grader makes no memory cgroup for its verdicts here; in a few words, for the result."""
     why = memory_group.available() or "a group could not be made"
     _say_once("memory group", f"the grader makes no memory cgroup for its verdicts on this machine ({why}): "
               "memory a submission moves into shared memory or a file it maps, and drops from its own pages, is "
               "out of the grader's sight; a grader run as root, or in a delegated cgroup v1 memory hierarchy, "
               "counts it")
+    return f"without a memory cgroup ({why})"
 
 
 def _send_load(watch: measured.Watch, argv, server) -> list:

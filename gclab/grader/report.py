@@ -353,6 +353,20 @@ def _run_line(results) -> str:
             "(submission and lesson the same), whose grades stand.")
 
 
+def _unguarded_line(results) -> str:
+    """What the machines that graded left out of the grader's reach, and for how many submissions (`unguarded`):
+    a grader's own warning goes to its terminal, which a cluster's workers do not show."""
+    counts: dict[str, int] = {}
+    for result in results:
+        for note in getattr(result, "unguarded", []):
+            counts[note] = counts.get(note, 0) + 1
+    if not counts:
+        return ""
+    said = "; ".join(f"{count} graded {note}" for note, count in counts.items())
+    return (f" Some submissions were graded where the machine kept part of what decides a grade out of the grader's "
+            f"reach, so that a forged grade could stand: {said} (README: What decides a grade).")
+
+
 _STYLE = ("body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
           "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}"
           "td.n{text-align:right}td.example{font-size:.85em;color:#555}section{margin-bottom:3em}"
@@ -365,7 +379,8 @@ def report_html(lessons: dict[str, list]) -> str:
     sections = "".join(lesson_section(name, results) for name, results in lessons.items())
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Class report</title>"
             f"<style>{_STYLE}</style></head><body><h1>Class report</h1>"
-            f"<p>{len(results)} submission(s) in {len(lessons)} lesson(s).{html.escape(_run_line(results))} "
+            f"<p>{len(results)} submission(s) in {len(lessons)} lesson(s).{html.escape(_run_line(results))}"
+            f"{html.escape(_unguarded_line(results))} "
             f"Failures are counted per test cell; a student is listed once per cause.</p>"
             f"<h2>Students by lessons</h2>{students_by_lessons(lessons)}{_by_hand_rows(lessons)}"
             f"{sections}</body></html>")

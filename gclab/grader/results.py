@@ -35,6 +35,8 @@ class NotebookResult:
     measured: dict = field(default_factory=dict)    # the grader's figures of the whole run
     # tests the learner's process said passed and the grader's own figures refuted: for the instructor's review
     disagreements: list[str] = field(default_factory=list)
+    # what the grading machine left out of the grader's reach (no kernel's walls, no memory cgroup), and why
+    unguarded: list[str] = field(default_factory=list)
 
     def as_dict(self):
         data = asdict(self)
