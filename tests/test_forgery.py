@@ -498,6 +498,17 @@ def test_views_left_in_cycles_are_seen_in_memory_when_every_assert_is_gone(tmp_p
     assert "your process reported that the test passed" in failed.message and "resident memory" in failed.message
 
 
+def _each_view_first_calls(hook: str) -> str:
+    """Code that makes lesson 04's BatchView call `hook(pending)` before it makes each view."""
+    return f'''
+_init = BatchView.__init__
+def _hooked_init(self, pending, rows, keep_columns):
+    {hook}(pending)
+    _init(self, pending, rows, keep_columns)
+BatchView.__init__ = _hooked_init
+'''
+
+
 # Lesson 04's views left in cycles, and each new view pages out (madvise MADV_PAGEOUT) the batch the view made
 # before it holds: that batch is not read again, so on a machine with swap it leaves the resident figures
 VIEWS_PAGED_OUT = view_04(extra='''
@@ -512,13 +523,7 @@ def _page_out_earlier(pending):
         start = buffer.data_ptr() // 4096 * 4096
         _madvise(start, buffer.data_ptr() + buffer.numel() * 4 - start, 21)     # MADV_PAGEOUT
     _held.append(pending.buffer)
-
-_init = BatchView.__init__
-def _paging_init(self, pending, rows, keep_columns):
-    _page_out_earlier(pending)
-    _init(self, pending, rows, keep_columns)
-BatchView.__init__ = _paging_init
-''')
+''' + _each_view_first_calls("_page_out_earlier"))
 
 
 def test_views_left_in_cycles_and_paged_out_to_swap_are_still_counted(tmp_path, monkeypatch):
@@ -564,13 +569,7 @@ def _move_earlier(pending):
         _move_to_shared_memory(_held.pop())
     _libc.malloc_trim(0)
     _held.append(pending.buffer)
-
-_init = BatchView.__init__
-def _moving_init(self, pending, rows, keep_columns):
-    _move_earlier(pending)
-    _init(self, pending, rows, keep_columns)
-BatchView.__init__ = _moving_init
-''')
+''' + _each_view_first_calls("_move_earlier"))
 
 # ... and, each time, resets the peak the kernel keeps of its cgroup, having tried to leave the cgroup first
 # (through libc, around the guard inside the process: what refuses it is the kernel's read-only mount)
