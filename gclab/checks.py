@@ -3,7 +3,7 @@
 Each check returns a report that can say, in a sentence, what went wrong and by how
 much; the `assert_*` helpers turn a failed report into an AssertionError with that
 sentence, which is what a learner (and nbgrader's feedback) sees.  Smaller helpers check one
-property in one sentence (`assert_view_of`, `assert_same_again`, `must_not_raise`, `assert_raises`,
+property in one sentence (`assert_view_of`, `assert_same_again`, `returned`, `assert_raises`,
 `assert_frees_alike`), so that a self-check reads as the rules it applies.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ __all__ = ["FlatReport", "run_flat_check", "assert_flat", "Comparison", "compare
            "assert_matches", "plain", "integrity_problems", "assert_untampered", "PolicyReport",
            "run_policy_check", "assert_policy", "assert_graphs_do_not_grow", "sealed_call", "assert_numbers",
            "error_line", "side_by_side", "assert_same_results", "globals_set", "assert_view_of", "assert_same_again",
-           "must_not_raise", "assert_raises", "assert_frees_alike", "assert_fields", "assert_cases",
+           "assert_raises", "assert_frees_alike", "assert_fields", "assert_cases",
            "assert_functions_agree", "returned"]
 
 # What the grading relies on, as it was when gclab.checks was first imported (the
@@ -86,17 +86,6 @@ def assert_same_again(call, first, what: str = "call", hint: str = "") -> None:
                              + (f"; {hint}" if hint else "")) from None
     assert _same(again, first), (f"a second {what} returned {_shown(again)}, not what the first returned "
                                  f"({_shown(first)})" + (f": {hint}" if hint else ""))
-
-
-def must_not_raise(error, call, *args, why: str = ""):
-    """`call(*args)`'s result; where it raises `error` (an exception type), an AssertionError that names the
-    call, its arguments, the error and `why` it should not have."""
-    try:
-        return call(*args)
-    except error as raised:
-        shown = ", ".join(map(repr, args))
-        raise AssertionError(f"{getattr(call, '__name__', 'the call')}({shown}) raised {type(raised).__name__} "
-                             f"{why}".rstrip() + (f": {raised}" if str(raised) and not why else "")) from None
 
 
 def assert_raises(error, call, *args, message: str) -> None:
@@ -220,5 +209,5 @@ _OWN = types.MappingProxyType({name: globals()[name] for name in
                                 "integrity_problems", "assert_untampered", "run_policy_check", "assert_policy",
                                 "sealed_call", "assert_numbers", "error_line", "side_by_side",
                                 "assert_same_results", "globals_set", "assert_view_of", "assert_same_again",
-                                "must_not_raise", "assert_raises", "assert_frees_alike", "assert_fields",
+                                "assert_raises", "assert_frees_alike", "assert_fields",
                                 "assert_cases", "assert_functions_agree", "returned")})

@@ -239,7 +239,8 @@ def returned(call, what: str, hint: str = ""):
     try:
         return call()
     except Exception as error:
-        message = f"{what} raised {type(error).__name__}: {error}" + (f". {hint}" if hint else "")
+        message = f"{what} raised {type(error).__name__}" + (f": {error}" if str(error) else "") + (
+            f". {hint}" if hint else "")
     raise AssertionError(message)
 
 

@@ -218,7 +218,7 @@ IN_REQUEST_COLLECTIONS = ("the program itself started", "collector pauses over b
 TOLD_WHY = {
     "collects_every_step": ("test_batches", "the collector ran"),
     "empty_cache_every_step": ("test_trainer", "did not return to its baseline"),
-    "drops_what_leaks": ("test_registry", "raised KeyError while version 1 was still in use"),
+    "drops_what_leaks": ("test_registry", "get(1) raised KeyError: 1. Version 1 was still in use"),
     "collector_off_for_good": ("test_serving", "must stay on"),
     "thresholds_sky_high": ("test_serving", "cyclic garbage unfreed"),
     "collects_every_50_requests": ("test_serving", IN_REQUEST_COLLECTIONS),

@@ -131,3 +131,10 @@ def test_returned_turns_an_exception_into_what_went_wrong():
     assert returned(lambda: 5, "five") == 5
     with pytest.raises(AssertionError, match=r"^calling it raised ZeroDivisionError: division by zero\. Divide by 1$"):
         returned(lambda: 1 / 0, "calling it", "Divide by 1")
+    with pytest.raises(AssertionError, match=r"^get\(1\) raised KeyError\. Keep it$"):   # an error with no message
+        returned(lambda: _raise(KeyError()), "get(1)", "Keep it")
+
+
+def _raise(error):
+    raise error
+
