@@ -57,7 +57,33 @@ def _grade(path: Path, lying: bool = False):
                 os.environ[key] = value
 
 
-def lesson_table(lesson: str, folder: Path) -> list[str]:
+CALLS_INTRO = [
+    "## Calls the grader times, per test", "",
+    "Each call a test makes through `serving.serve_inline`, `checks.run_flat_check` or a hidden test's "
+    "`gclab.outside.marked` is timed by the grader from outside (the process's CPU time read at every call's end); "
+    "lesson 06's loads are sent by the grader itself. Read from the reference solution's graded run above: the calls "
+    "its whole test cell made (self-check and hidden test), the longest of them in CPU time, the requests of each "
+    "load the grader sent, and the price: what one full collection cost the reference's verdict process after its "
+    "answer cells (the median of its timed collections), which sets how much longer than the reference's a call "
+    "may take.", "",
+    "| lesson | test | calls graded | longest call (ms of CPU) | loads graded (requests) | price (ms) |",
+    "|---|---|---|---|---|---|"]
+
+
+def calls_rows(lesson: str, reference) -> list[str]:
+    """The rows of the calls table for one lesson, from its reference's graded run."""
+    price = reference.measured.get("full_collection_cpu_s")
+    price = f"{price * 1e3:.1f}" if price else "-"
+    rows = []
+    for test in reference.tests:
+        calls = test.measured.get("calls") or []
+        loads = " + ".join(str(load["requests"]) for load in test.measured.get("loads") or []) or "-"
+        longest = f"{max(calls) * 1e3:.1f}" if calls else "-"
+        rows.append(f"| {lesson} | {test.id} | {len(calls):,} | {longest} | {loads} | {price} |")
+    return rows
+
+
+def lesson_table(lesson: str, folder: Path, references: dict | None = None) -> list[str]:
     from lesson_support import write_variants
     module = importlib.import_module(f"test_lesson_{lesson[:2]}")
     wrong = dict(list(getattr(module, "WRONG", {}).items())[:2])
@@ -66,6 +92,8 @@ def lesson_table(lesson: str, folder: Path) -> list[str]:
     runs = {}
     for name, path in paths.items():
         runs[name] = _grade(path)
+        if name == "reference" and references is not None:
+            references[lesson] = runs[name][0]
         if name in wrong:
             runs[f"{name}, lying"] = _grade(path, lying=True)
     names = list(runs)
@@ -93,10 +121,13 @@ def main(argv=None) -> int:
     out = ["Cells: score · CPU seconds of the verdict process over the test · growth of its resident memory · "
            "growth of its peak (MiB), as the grader read them from /proc · growth of the peak of what the kernel "
            "charged to the verdict's memory cgroup (MiB; where the grader can make one).", ""]
+    references = {}
     with tempfile.TemporaryDirectory() as folder:
         for lesson in lessons:
-            out += lesson_table(lesson, Path(folder))
+            out += lesson_table(lesson, Path(folder), references)
             print("\n".join(out[-12:]), flush=True)
+    out += CALLS_INTRO + [row for lesson, reference in references.items() for row in calls_rows(lesson, reference)]
+    print("\n".join(out[-len(references) * 4:]), flush=True)
     if args.out:
         args.out.write_text("\n".join(out) + "\n")
     return 0
