@@ -45,8 +45,9 @@ class Zygote:
         self.lock = threading.Lock()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # a requester that may not be traced (gclab.grader.sandbox.shield) has a server that may not be either
+        self.dumpable = _dumpable()
         argv = [sys.executable, "-I", *flags, "-m", "gclab.zygote", str(theirs.fileno()), module,
-                "dumpable" if _dumpable() else "undumpable"]
+                "dumpable" if self.dumpable else "undumpable"]
         self.room, self.flags = room, tuple(flags)
         self.proc = subprocess.Popen(with_room(argv, room),
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

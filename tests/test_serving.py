@@ -772,6 +772,26 @@ def test_servers_and_loads_are_forked_from_one_zygote_that_imported_torch_once()
     assert first.proc.poll() is not None and second.proc.poll() is not None
 
 
+def test_a_server_is_as_traceable_as_the_process_that_starts_it_now():
+    """A grading shields its process (gclab.grader.sandbox.shield); a server started once the process is dumpable
+    again comes from a zygote that is dumpable too, so that a user without root may read its /proc."""
+    import ctypes
+    from gclab import serving
+    from gclab.grader import sandbox
+
+    def parent_of(server):
+        return int(open(f"/proc/{server.proc.pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    sandbox.shield()
+    with ModelServer(heap_objects=1000, cache_size=10) as shielded:
+        [undumpable] = serving._ZYGOTE
+        assert not undumpable.dumpable and parent_of(shielded) == undumpable.proc.pid
+        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)                        # PR_SET_DUMPABLE
+        with ModelServer(heap_objects=1000, cache_size=10) as server:
+            [dumpable] = serving._ZYGOTE
+            assert dumpable.dumpable and parent_of(server) == dumpable.proc.pid
+        assert run_load(shielded.url, rate=50, duration=0.2).failed == 0, "the first server serves on"
+
+
 def test_without_the_zygote_each_server_is_a_fresh_python(monkeypatch):
     monkeypatch.setenv("GCLAB_SERVING_FORK", "0")
     with ModelServer(heap_objects=1000, cache_size=10) as server:

@@ -63,16 +63,21 @@ def forked(request: dict, fds: list) -> None:
 
 _ZYGOTE: list = []
 _ZYGOTE_LOCK = threading.Lock()
+_RETIRED: list = []         # zygotes started before this process's dumpability changed: their servers run on
 
 
 def _zygote():
-    """This process's serving zygote, started on first use; None where there cannot be one
+    """This process's serving zygote, started on first use, and again where this process's dumpability changed
+    since (its servers are as traceable as the process that asks for them); None where there cannot be one
     (no pidfds: not Linux), or with GCLAB_SERVING_FORK=0 (each server a fresh Python)."""
     from .. import zygote
     if (os.environ.get("GCLAB_SERVING_FORK") == "0" or not zygote.available()
             or not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal")):
         return None
     with _ZYGOTE_LOCK:
+        if _ZYGOTE and _ZYGOTE[0].alive() and _ZYGOTE[0].dumpable != zygote._dumpable():
+            # its servers would be as traceable as this process was (sandbox.shield), not as it is now
+            _RETIRED.append(_ZYGOTE.pop())
         if not _ZYGOTE or not _ZYGOTE[0].alive():
             _ZYGOTE[:] = [zygote.Zygote("gclab.serving", env=starting_environment(), new_session=False)]
         return _ZYGOTE[0]
