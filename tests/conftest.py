@@ -1,6 +1,4 @@
-import ctypes
 import gc
-import sys
 
 import pytest
 
@@ -53,8 +51,9 @@ def dumpable_as_a_process_starts():
 
 
 def _set_dumpable() -> None:
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)          # PR_SET_DUMPABLE
+    from gclab import zygote
+    if zygote._LIBC is not None:
+        zygote._LIBC.prctl(zygote._PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")

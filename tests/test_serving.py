@@ -775,8 +775,7 @@ def test_servers_and_loads_are_forked_from_one_zygote_that_imported_torch_once()
 def test_a_server_is_as_traceable_as_the_process_that_starts_it_now():
     """A grading shields its process (gclab.grader.sandbox.shield); a server started once the process is dumpable
     again comes from a zygote that is dumpable too, so that a user without root may read its /proc."""
-    import ctypes
-    from gclab import serving
+    from gclab import serving, zygote
     from gclab.grader import sandbox
 
     def parent_of(server):
@@ -785,7 +784,7 @@ def test_a_server_is_as_traceable_as_the_process_that_starts_it_now():
     with ModelServer(heap_objects=1000, cache_size=10) as shielded:
         [undumpable] = serving._ZYGOTE
         assert not undumpable.dumpable and parent_of(shielded) == undumpable.proc.pid
-        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)                        # PR_SET_DUMPABLE
+        zygote._LIBC.prctl(zygote._PR_SET_DUMPABLE, 1, 0, 0, 0)      # dumpable again, as after a grading's test
         with ModelServer(heap_objects=1000, cache_size=10) as server:
             [dumpable] = serving._ZYGOTE
             assert dumpable.dumpable and parent_of(server) == dumpable.proc.pid
