@@ -574,7 +574,10 @@ def _move_earlier(pending):
 # ... and, each time, resets the peak the kernel keeps of its cgroup, having tried to leave the cgroup first
 # (through libc, around the guard inside the process: what refuses it is the kernel's read-only mount)
 _GROUP = '''
-_group = "/sys/fs/cgroup/memory" + [l.split(":", 2)[2].strip() for l in open("/proc/self/cgroup") if ":memory:" in l][0]
+_lines = open("/proc/self/cgroup").read().splitlines()
+_v1 = [l.split(":", 2)[2] for l in _lines if ":memory:" in l]
+_group = ("/sys/fs/cgroup/memory" + _v1[0]) if _v1 else ("/sys/fs/cgroup" + [l[3:] for l in _lines if l.startswith("0::")][0])
+_peak = "memory.max_usage_in_bytes" if _v1 else "memory.peak"       # v2's: reset from Linux 6.12
 def _try_writing(path, text):
     fd = _libc.open(path.encode(), _os.O_WRONLY)
     if fd >= 0:
@@ -584,7 +587,7 @@ _try_writing(_os.path.join(_os.path.dirname(_group), "cgroup.procs"), str(_os.ge
 _moved = _move_to_shared_memory
 def _move_to_shared_memory(buffer):
     _moved(buffer)
-    _try_writing(_os.path.join(_group, "memory.max_usage_in_bytes"), "0")
+    _try_writing(_os.path.join(_group, _peak), "0")
 '''
 VIEWS_MOVED_TO_SHARED_MEMORY_AND_PEAK_RESET = VIEWS_MOVED_TO_SHARED_MEMORY.replace(
     "\n_init = BatchView.__init__\n", _GROUP + "\n_init = BatchView.__init__\n")
@@ -596,7 +599,8 @@ def test_views_left_in_cycles_and_moved_into_shared_memory_are_still_counted(tmp
     (5/8; the honest wrong fix gets 3/8): its batches were in shared memory, which no process's figure counts.
     Each verdict now runs in a memory cgroup of its own (`gclab.grader.memory_group`), whose peak the kernel
     keeps of every page charged to it, shared memory and the page cache included. Behind the kernel's walls the
-    cgroup's files are read-only: the process can neither reset that peak nor leave its cgroup."""
+    cgroup's files are read-only: the process can neither reset that peak nor leave its cgroup. (Under cgroup v2,
+    in a virtual machine with Linux 6.1 (`autograder/cgroup2_check.py`), the resident peak refuted it first.)"""
     if memory_group.available() is not None:
         pytest.skip(f"no memory cgroup here: {memory_group.available()}")
     paths = write_variants(RELEASE_04, {
@@ -607,4 +611,5 @@ def test_views_left_in_cycles_and_moved_into_shared_memory_are_still_counted(tmp
     for lying in grading.grade(list(paths.values()), root=ROOT):
         assert lying.score == 3, grading.format_results([lying])
         failed = cell_result(lying, "test_no_cycle")
-        assert failed.status == "failed" and "memory charged to your process" in failed.message, failed.message
+        assert failed.status == "failed" and any(
+            refuted in failed.message for refuted in ("memory charged to your process", "resident memory")), failed.message

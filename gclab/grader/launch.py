@@ -423,8 +423,8 @@ def _say_once_ungrouped() -> str:
     why = memory_group.available() or "a group could not be made"
     _say_once("memory group", f"the grader makes no memory cgroup for its verdicts on this machine ({why}): "
               "memory a submission moves into shared memory or a file it maps, and drops from its own pages, is "
-              "out of the grader's sight; a grader run as root, or in a delegated cgroup v1 memory hierarchy, "
-              "counts it")
+              "out of the grader's sight; a grader run as root, or in a delegated cgroup (a systemd user service "
+              "with Delegate=yes), counts it")
     return f"without a memory cgroup ({why})"
 
 

@@ -15,43 +15,119 @@ the kernel's walls (`gclab.grader.sandbox`) the cgroup file system is read-only 
 the learner's code can neither reset the peak nor leave; without them, a process that leaves is seen at the
 next reading (`MemoryGroup.read` says None) and its test refuted.
 
-cgroup v1's memory hierarchy only, where the grader may make a group in its own (root, or a delegated
-one): elsewhere (`available()` says why not) the resident figures decide alone, and README says what they
-cannot see.  GCLAB_GRADE_MEMORY_GROUP=0 makes none.
+cgroup v1's memory hierarchy, where the grader may make a group in its own (root, or a delegated one), or
+cgroup v2's (`memory.current`, `memory.peak`), in the nearest group at or above its own whose children have
+the memory controller (at the root, where it may, the grader enables it), where it may make one (root, or
+a delegated subtree: a systemd user service with `Delegate=yes`).  cgroup v2 resets no peak before Linux
+6.12, so a window's peak there is the group's peak where that rose in the window, else the larger of the
+charges at its two ends: never more than the window's own, and memory held at the window's end always
+shows.  Elsewhere (`available()` says why not) the resident figures decide alone, and README says what
+they cannot see.  GCLAB_GRADE_MEMORY_GROUP=0 makes none.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
+import functools
 import os
 import secrets
 import time
 
 __all__ = ["MemoryGroup", "available", "join"]
 
-HIERARCHY = "/sys/fs/cgroup/memory"
+V1_HIERARCHY = "/sys/fs/cgroup/memory"
 PREFIX = "gclab-verdict-"
-USAGE, PEAK = "memory.usage_in_bytes", "memory.max_usage_in_bytes"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchy:
+    """The cgroup hierarchy that holds the memory controller: where it is mounted and its files' names."""
+    mount: str
+    version: int
+    usage: str
+    peak: str                   # cgroup v2's is absent before Linux 5.19: the charges alone are read there
+
+    def folder(self, path: str) -> str:
+        return os.path.normpath(os.path.join(self.mount, path.lstrip("/")))
+
+    def path(self, folder: str) -> str:
+        """`folder` as /proc/PID/cgroup names it."""
+        relative = os.path.relpath(folder, self.mount)
+        return "/" if relative == "." else "/" + relative
+
+
+@functools.cache
+def hierarchy() -> Hierarchy | None:
+    """The memory controller's hierarchy on this machine: cgroup v1's where it has one, else cgroup v2's where
+    the memory controller is there; None where neither."""
+    if os.path.exists(os.path.join(V1_HIERARCHY, "memory.max_usage_in_bytes")):
+        return Hierarchy(V1_HIERARCHY, 1, "memory.usage_in_bytes", "memory.max_usage_in_bytes")
+    mount = _cgroup2_mount()
+    if mount is None or "memory" not in _words(os.path.join(mount, "cgroup.controllers")):
+        return None
+    return Hierarchy(mount, 2, "memory.current", "memory.peak")
+
+
+def _cgroup2_mount() -> str | None:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields[fields.index("-") + 1] == "cgroup2":
+                    return fields[4]
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _words(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return []
 
 
 def _memory_path(pid: int | str = "self") -> str | None:
-    """The path of `pid`'s memory cgroup in the v1 hierarchy (`/proc/PID/cgroup`'s "memory" line)."""
+    """`pid`'s group in the memory controller's hierarchy (`/proc/PID/cgroup`: v1's "memory" line, or v2's "0::")."""
+    where = hierarchy()
+    if where is None:
+        return None
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if "memory" in controllers.split(","):
+                number, controllers, path = line.rstrip("\n").split(":", 2)
+                if (where.version == 1 and "memory" in controllers.split(",")) or (where.version == 2 and number == "0"):
                     return path
     except (OSError, ValueError):
         pass
     return None
 
 
-def _own_folder() -> str | None:
-    path = _memory_path()
-    if path is None:
+def _parent_folder() -> str | None:
+    """Where this process makes its verdicts' groups: v1, its own group; v2, the nearest group at or above its own
+    whose children have the memory controller (at the hierarchy's root, enabled there where it is not yet)."""
+    where, path = hierarchy(), _memory_path()
+    if where is None or path is None:
         return None
-    folder = os.path.join(HIERARCHY, path.lstrip("/"))
-    return folder if os.path.exists(os.path.join(folder, PEAK)) else None
+    folder = where.folder(path)
+    if where.version == 1:
+        return folder if os.path.exists(os.path.join(folder, where.peak)) else None
+    while True:
+        if "memory" in _words(os.path.join(folder, "cgroup.subtree_control")):
+            return folder
+        if os.path.samefile(folder, where.mount):
+            return folder if _enable_memory(folder) else None
+        folder = os.path.dirname(folder)
+
+
+def _enable_memory(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, "cgroup.subtree_control"), "w") as f:
+            f.write("+memory")
+        return True
+    except OSError:
+        return False
 
 
 _AVAILABLE: list = []
@@ -68,9 +144,12 @@ def available() -> str | None:
 
 
 def _try_one() -> str | None:
-    folder = _own_folder()
+    if hierarchy() is None:
+        return (f"this machine has neither a cgroup v1 memory hierarchy ({V1_HIERARCHY}) nor the memory "
+                "controller in a cgroup v2 hierarchy")
+    folder = _parent_folder()
     if folder is None:
-        return f"this machine has no cgroup v1 memory hierarchy at {HIERARCHY} holding this process"
+        return "no group at or above this process's own has the memory controller for its children"
     try:
         group = MemoryGroup(folder)
     except OSError as error:
@@ -80,37 +159,51 @@ def _try_one() -> str | None:
 
 
 class MemoryGroup:
-    """One verdict's memory cgroup, made in `parent` (this process's own group)."""
+    """One verdict's memory cgroup, made in `parent` (`_parent_folder()`)."""
 
     def __init__(self, parent: str):
         _sweep(parent)
+        self.hierarchy = hierarchy()
         self.path = os.path.join(parent, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         os.mkdir(self.path)
-        self.cgroup = "/" + os.path.relpath(self.path, HIERARCHY)    # as /proc/PID/cgroup names it
+        self.cgroup = self.hierarchy.path(self.path)
+        self._group_peak, self._charged = 0, 0      # cgroup v2: the group's peak and charge at the last reading
 
     @classmethod
     def made(cls) -> "MemoryGroup | None":
         """A new group for a verdict, or None where none can be made here."""
         if available() is not None:
             return None
-        folder = _own_folder()
+        folder = _parent_folder()
         try:
             return cls(folder) if folder else None
         except OSError:
             return None
 
     def read(self, pids) -> tuple[int, int] | None:
-        """(bytes charged to the group now, its peak since the last reading), the peak then reset; None where
+        """(bytes charged to the group now, its peak since the last reading); None where
         a process of `pids` is not in the group (it left, or never joined) or the group cannot be read."""
         if any(self._outside(pid) for pid in pids):
             return None
         try:
-            charged, peak = _number(os.path.join(self.path, USAGE)), _number(os.path.join(self.path, PEAK))
-            with open(os.path.join(self.path, PEAK), "w") as f:
-                f.write("0")
+            charged, peak = _number(os.path.join(self.path, self.hierarchy.usage)), self._window_peak()
         except (OSError, ValueError):
             return None
+        self._charged = charged
         return charged, max(peak, charged)
+
+    def _window_peak(self) -> int:
+        """The group's peak since the last reading: v1's, reset; v2's where it rose since, else the larger of
+        the charges at the window's two ends (the caller's max)."""
+        peak_file = os.path.join(self.path, self.hierarchy.peak)
+        if self.hierarchy.version == 1:
+            peak = _number(peak_file)
+            with open(peak_file, "w") as f:
+                f.write("0")
+            return peak
+        group_peak = _number(peak_file) if os.path.exists(peak_file) else 0
+        rose, self._group_peak = group_peak > self._group_peak, max(group_peak, self._group_peak)
+        return group_peak if rose else self._charged
 
     def _outside(self, pid: int) -> bool:
         """Is `pid` a running process outside the group?  One that ended is in none: /proc shows a zombie,

@@ -1,0 +1,100 @@
+"""Run the grader's memory-cgroup tests on a machine with cgroup v2, in a virtual machine booted here.
+
+    .venv/bin/python autograder/cgroup2_check.py [--kernel VMLINUZ] [--kvm] [--delegated] [--log FILE] [PYTEST ARGS ...]
+
+Most course servers today have cgroup v2 alone (Debian 11 and later, Ubuntu 21.10 and later, Fedora), and
+the machines this course is developed and tested on have cgroup v1's memory hierarchy, so the suite there
+reads v1's files only.  This script boots this machine's own system (its root file system shared read-only,
+this checkout read-write) under a Debian kernel in QEMU with virtme-ng, where the kernel mounts cgroup v2
+alone, and runs pytest there (default: `tests/test_memory_group.py`, then lesson 04's gradings and the
+shared-memory forgery: the reference gets full marks and the forgery does not, with the verdicts' groups
+made in cgroup v2).  It prints which hierarchy the grader found, then pytest's report.
+
+`--delegated` runs the tests as a user without root (`nobody`) in a subtree delegated to it, as a systemd user
+service with `Delegate=yes` has one: `course/` with the memory controller for its children, the grader's
+process in `course/grader/`, both owned by that user (default tests: the group's own, since the gradings
+write the reference's figures into this checkout).
+
+Needs, once (as root): `apt-get install qemu-system-x86 linux-image-amd64`; virtme-ng is installed by the
+script into autograder/work/vng-env.  Without `--kvm` the machine is emulated (QEMU's TCG: about ten times
+slower, but nested virtualisation hung here at boot): the default tests take about 15 minutes.  Too slow
+for the suite: run it after a change to `gclab.grader.memory_group` or the walls.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VNG_ENV = ROOT / "autograder" / "work" / "vng-env"
+DEFAULT_TESTS = ["tests/test_memory_group.py",
+                 "tests/test_lesson_04.py::test_solution_earns_full_marks",
+                 "tests/test_lesson_04.py::test_untouched_student_notebook_earns_nothing",
+                 "tests/test_forgery.py::test_views_left_in_cycles_and_moved_into_shared_memory_are_still_counted"]
+# a subtree delegated to `nobody`, as systemd delegates one to a user service, and this shell moved into it
+DELEGATE = ("cd /sys/fs/cgroup && echo +memory > cgroup.subtree_control && mkdir course course/grader && "
+            "echo +memory > course/cgroup.subtree_control && chown -R nobody course && "
+            "echo $$ > course/grader/cgroup.procs && cd - >/dev/null && ")
+# a Python under root's home (pyenv's), which nobody may not enter, shown to it: the home covered by an empty one
+# that holds only the interpreters, in the virtual machine alone
+SHOW_PYENV = ("mkdir -p /run/home-of-root && mount --bind /root /run/home-of-root && mount -t tmpfs -o mode=755 none "
+              "/root && mkdir /root/.pyenv && mount --bind /run/home-of-root/.pyenv /root/.pyenv && ")
+SAY_HIERARCHY = ("import os, pwd; from gclab.grader import memory_group as m; "
+                 "print('user:', pwd.getpwuid(os.getuid()).pw_name); "
+                 "print('hierarchy:', m.hierarchy()); print('groups made in:', m._parent_folder()); "
+                 "print('why none:', m.available())")
+
+
+def _vng() -> Path:
+    vng = VNG_ENV / "bin" / "vng"
+    if not vng.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VNG_ENV)], check=True)
+        subprocess.run([str(VNG_ENV / "bin" / "pip"), "install", "-q", "virtme-ng"], check=True)
+    return vng
+
+
+def _reachable_by_nobody(python: Path) -> str:
+    return SHOW_PYENV if str(python.resolve()).startswith("/root/.pyenv/") else ""
+
+
+def _newest_kernel() -> str | None:
+    kernels = sorted(glob.glob("/boot/vmlinuz-*"))
+    return kernels[-1] if kernels else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", default=_newest_kernel(), help="the kernel to boot (default: the newest in /boot)")
+    parser.add_argument("--kvm", action="store_true", help="use KVM rather than emulate the machine")
+    parser.add_argument("--memory", default="6G")
+    parser.add_argument("--log", type=Path, help="also write the virtual machine's output here")
+    parser.add_argument("--delegated", action="store_true", help="as a user without root, in a delegated subtree")
+    parser.add_argument("pytest_args", nargs="*")
+    args = parser.parse_args(argv)
+    tests = args.pytest_args or (DEFAULT_TESTS[:1] if args.delegated else DEFAULT_TESTS)
+    if not args.kernel:
+        print("no kernel in /boot: apt-get install linux-image-amd64", file=sys.stderr)
+        return 2
+    python = shlex.quote(str(ROOT / ".venv" / "bin" / "python"))
+    inside = (f"{python} -c {shlex.quote(SAY_HIERARCHY)} && "
+              f"{python} -m pytest -q -p no:cacheprovider {' '.join(map(shlex.quote, tests))}")
+    if args.delegated:
+        inside = DELEGATE + _reachable_by_nobody(ROOT / ".venv" / "bin" / "python") + "exec setpriv --reuid nobody --regid nogroup --clear-groups env PYTHONDONTWRITEBYTECODE=1 " \
+            f"HOME=/tmp sh -c {shlex.quote(inside)}"
+    command = [str(_vng()), "-r", args.kernel, "--force-9p", "--memory", args.memory, "--cpus", "2",
+               f"--rwdir={ROOT}", "--cwd", str(ROOT), *([] if args.kvm else ["--disable-kvm"]), "--", inside]
+    env = {"PATH": f"{VNG_ENV / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"}     # vng runs its own tools by name
+    run = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(run.stdout)
+    if args.log:
+        args.log.write_text(run.stdout)
+    return 0 if "hierarchy: Hierarchy(" in run.stdout and " passed" in run.stdout and " failed" not in run.stdout \
+        else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
