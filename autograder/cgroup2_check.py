@@ -12,8 +12,8 @@ made in cgroup v2).  It prints which hierarchy the grader found, then pytest's r
 
 `--delegated` runs the tests as a user without root (`nobody`) in a subtree delegated to it, as a systemd user
 service with `Delegate=yes` has one: `course/` with the memory controller for its children, the grader's
-process in `course/grader/`, both owned by that user (default tests: the group's own, since the gradings
-write the reference's figures into this checkout).
+process in `course/grader/`, both owned by that user; `autograder/work/`, where the grader keeps the
+reference's figures, is an empty folder of that user's in the virtual machine.
 
 Needs, once (as root): `apt-get install qemu-system-x86 linux-image-amd64`; virtme-ng is installed by the
 script into autograder/work/vng-env.  Without `--kvm` the machine is emulated (QEMU's TCG: about ten times
@@ -38,7 +38,8 @@ DEFAULT_TESTS = ["tests/test_memory_group.py",
 # a subtree delegated to `nobody`, as systemd delegates one to a user service, and this shell moved into it
 DELEGATE = ("cd /sys/fs/cgroup && echo +memory > cgroup.subtree_control && mkdir course course/grader && "
             "echo +memory > course/cgroup.subtree_control && chown -R nobody course && "
-            "echo $$ > course/grader/cgroup.procs && cd - >/dev/null && ")
+            "echo $$ > course/grader/cgroup.procs && cd - >/dev/null && "
+            "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
 # a Python under root's home (pyenv's), which nobody may not enter, shown to it: the home covered by an empty one
 # that holds only the interpreters, in the virtual machine alone
 SHOW_PYENV = ("mkdir -p /run/home-of-root && mount --bind /root /run/home-of-root && mount -t tmpfs -o mode=755 none "
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--delegated", action="store_true", help="as a user without root, in a delegated subtree")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args(argv)
-    tests = args.pytest_args or (DEFAULT_TESTS[:1] if args.delegated else DEFAULT_TESTS)
+    tests = args.pytest_args or DEFAULT_TESTS
     if not args.kernel:
         print("no kernel in /boot: apt-get install linux-image-amd64", file=sys.stderr)
         return 2

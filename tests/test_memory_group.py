@@ -176,7 +176,8 @@ def test_cgroup_v2_with_the_memory_controller_nowhere_below_the_root_enables_it_
 
 
 def test_cgroup_v2_window_peak_is_the_groups_where_it_rose_and_else_the_larger_charge_at_its_ends(tmp_path, monkeypatch):
-    # v2 resets no peak before Linux 6.12: a window's peak is never read as more than the window's own
+    # v2 resets no peak before Linux 6.12 (here memory.peak is not there when the group is made, so it is not
+    # written to): a window's peak is never read as more than the window's own
     monkeypatch.setattr(memory_group, "hierarchy", lambda: memory_group.Hierarchy(str(tmp_path), 2, "memory.current",
                                                                                    "memory.peak"))
     group = memory_group.MemoryGroup(str(tmp_path))

@@ -168,6 +168,8 @@ class MemoryGroup:
         os.mkdir(self.path)
         self.cgroup = self.hierarchy.path(self.path)
         self._group_peak, self._charged = 0, 0      # cgroup v2: the group's peak and charge at the last reading
+        self._peak_fd = _resettable_peak(os.path.join(self.path, self.hierarchy.peak)) if self.hierarchy.version == 2 \
+            else None
 
     @classmethod
     def made(cls) -> "MemoryGroup | None":
@@ -193,13 +195,18 @@ class MemoryGroup:
         return charged, max(peak, charged)
 
     def _window_peak(self) -> int:
-        """The group's peak since the last reading: v1's, reset; v2's where it rose since, else the larger of
-        the charges at the window's two ends (the caller's max)."""
+        """The group's peak since the last reading: v1's, reset; v2's, reset through this reader's own
+        descriptor (Linux 6.12 and later), else where it rose since, else the larger of the charges at the
+        window's two ends (the caller's max)."""
         peak_file = os.path.join(self.path, self.hierarchy.peak)
         if self.hierarchy.version == 1:
             peak = _number(peak_file)
             with open(peak_file, "w") as f:
                 f.write("0")
+            return peak
+        if self._peak_fd is not None:
+            peak = int(os.pread(self._peak_fd, 64, 0))
+            os.pwrite(self._peak_fd, b"reset", 0)
             return peak
         group_peak = _number(peak_file) if os.path.exists(peak_file) else 0
         rose, self._group_peak = group_peak > self._group_peak, max(group_peak, self._group_peak)
@@ -213,7 +220,25 @@ class MemoryGroup:
 
     def remove(self) -> None:
         """Remove the group once its processes have ended (a process killed is gone from it once reaped)."""
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
         _remove(self.path, wait_s=2.0)
+
+
+def _resettable_peak(path: str) -> int | None:
+    """A descriptor of cgroup v2's `memory.peak` through which a write resets the peak it reads (Linux 6.12 and
+    later; None before, where the file cannot be written)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        os.pwrite(fd, b"reset", 0)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
 
 
 def join(path: str | None) -> None:
