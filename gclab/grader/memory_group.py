@@ -18,10 +18,10 @@ next reading (`MemoryGroup.read` says None) and its test refuted.
 cgroup v1's memory hierarchy, where the grader may make a group in its own (root, or a delegated one), or
 cgroup v2's (`memory.current`, `memory.peak`), in the nearest group at or above its own whose children have
 the memory controller (at the root, where it may, the grader enables it), where it may make one (root, or
-a delegated subtree: a systemd user service with `Delegate=yes`).  cgroup v2 resets no peak before Linux
-6.12, so a window's peak there is the group's peak where that rose in the window, else the larger of the
-charges at its two ends: never more than the window's own, and memory held at the window's end always
-shows.  Elsewhere (`available()` says why not) the resident figures decide alone, and README says what
+a delegated subtree: a systemd user service with `Delegate=yes`).  From Linux 6.12 a v2 peak is reset for
+the descriptor that writes to it, which the grader keeps; before, a window's peak is the group's peak where
+that rose in the window, else the larger of the charges at its two ends: never more than the window's own,
+and memory held at the window's end always shows.  Elsewhere (`available()` says why not) the resident figures decide alone, and README says what
 they cannot see.  GCLAB_GRADE_MEMORY_GROUP=0 makes none.
 """
 from __future__ import annotations
