@@ -123,3 +123,14 @@ def test_every_line_a_learner_reads_fits_a_colab_cell():
             for index, (kind, source, _) in enumerate(_cells(path)) if kind == "code"
             for line in source.splitlines() if len(line) > MAX_LINE_CHARS]
     assert not wide, f"lines too wide for a learner's cell (at most {MAX_LINE_CHARS}):\n" + "\n".join(wide)
+
+
+def test_every_section_starts_a_cell_of_its_own():
+    """JupyterLab and Colab fold a section, and list it in their table of contents as a place to
+    jump to, only where a markdown cell starts with its heading: no heading may sit inside a cell
+    below other text (the lesson's front page, its first cell, excepted)."""
+    buried = [f"{path.parent.name} cell {index}: {line}"
+              for path in sorted((ROOT / "notebooks").glob("*/*.ipynb"))
+              for index, (kind, source, _) in enumerate(_cells(path)) if kind == "markdown" and index > 0
+              for line in source.splitlines()[1:] if line.startswith("#")]
+    assert not buried, "headings inside a cell (start a markdown cell with each):\n" + "\n".join(buried)
