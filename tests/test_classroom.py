@@ -95,6 +95,20 @@ def test_stray_notebooks_are_skipped_and_a_lone_renamed_one_is_graded_as_the_les
     assert any("graded" in line and "toy (1).ipynb" in line and "toy.ipynb" in line for line in told), told
 
 
+def test_submissions_placed_by_hand_are_named_with_what_nbgrader_cannot_do_for_them(tmp_path):
+    root = _toy_course(tmp_path)
+    for student in ("ada", "bob"):
+        (root / "submitted" / student / "toy").mkdir(parents=True)
+        nbformat.write(_lesson(RIGHT), root / "submitted" / student / "toy" / "toy.ipynb")
+    (root / "submitted" / "ada" / "toy" / "timestamp.txt").write_text("2026-11-29 14:05:00.000000 UTC")
+    told = []
+    found = classroom.find_submissions(root / "submitted", root, warn=told.append)
+    assert [s.student for s in found] == ["ada", "bob"]
+    [line] = told
+    assert line.startswith("placed by hand, not by nbgrader collect (no timestamp.txt beside them): bob toy."), line
+    assert "no time of submission" in line and "--CourseDirectory.student_id_exclude=bob" in line, line
+
+
 def test_the_instructor_is_told_each_submission_as_it_is_graded(graded):
     lines = [line for line in graded["told"].splitlines() if line.startswith("[")]
     assert sorted(line.split("] ")[1] for line in lines) == [

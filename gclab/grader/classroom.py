@@ -99,7 +99,23 @@ def find_submissions(submitted: Path, root: Path, warn=None) -> list[Submission]
                 warn(f"skipped {path}: {why}")
                 continue
             found.append(Submission(student=student, assignment=assignment, path=path))
+    _tell_of_submissions_placed_by_hand(found, warn)
     return found
+
+
+def _tell_of_submissions_placed_by_hand(found: list[Submission], warn) -> None:
+    """One line naming the submissions that `nbgrader collect` did not place (no timestamp.txt beside
+    them): they are graded, but have no time of submission, and nbgrader's release_feedback stops at
+    their feedback, which it cannot address to a student."""
+    by_hand = [s for s in found if not (s.path.parent / "timestamp.txt").is_file()]
+    if not by_hand:
+        return
+    students = sorted({s.student for s in by_hand})
+    warn(f"placed by hand, not by nbgrader collect (no timestamp.txt beside them): "
+         f"{', '.join(f'{s.student} {s.assignment}' for s in by_hand)}. They are graded, with no time of "
+         f"submission in the gradebook; nbgrader release_feedback cannot hand back their feedback and "
+         f"stops at it: send feedback/STUDENT/LESSON/ to them yourself, and release the others' with "
+         f"--CourseDirectory.student_id_exclude={','.join(students)}")
 
 
 def _lesson_folder(student: str, assignment: str, paths: list[Path], root: Path, warn) -> list[Submission]:
