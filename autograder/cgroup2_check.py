@@ -1,6 +1,7 @@
 """Run the grader's memory-cgroup tests on a machine with cgroup v2, in a virtual machine booted here.
 
-    .venv/bin/python autograder/cgroup2_check.py [--kernel VMLINUZ] [--kvm] [--delegated] [--log FILE] [PYTEST ARGS ...]
+    .venv/bin/python autograder/cgroup2_check.py [--kernel VMLINUZ] [--kvm] [--delegated | --user-scope] [--log FILE]
+                                                 [PYTEST ARGS ...]
 
 Most course servers today have cgroup v2 alone (Debian 11 and later, Ubuntu 21.10 and later, Fedora), and
 the machines this course is developed and tested on have cgroup v1's memory hierarchy, so the suite there
@@ -13,7 +14,11 @@ made in cgroup v2).  It prints which hierarchy the grader found, then pytest's r
 `--delegated` runs the tests as a user without root (`nobody`) in a subtree delegated to it, as a systemd user
 service with `Delegate=yes` has one: `course/` with the memory controller for its children, the grader's
 process in `course/grader/`, both owned by that user; `autograder/work/`, where the grader keeps the
-reference's figures, is an empty folder of that user's in the virtual machine.
+reference's figures, is an empty folder of that user's in the virtual machine.  `--user-scope` runs them as
+`nobody` in the tree systemd gives a user (`user.slice/user-65534.slice/user@65534.service`, owned by the user,
+with the memory controller), in a scope of it beside this shell (`app.slice/run-gclab.scope`), where
+`systemd-run --user --scope` starts a command (`gclab grade` runs itself there where it can make no group
+where it is: `memory_group.in_a_user_scope`); the virtual machine has no systemd, so the tree is made by hand.
 
 Needs, once (as root): `apt-get install qemu-system-x86 linux-image-amd64`; virtme-ng is installed by the
 script into autograder/work/vng-env.  Without `--kvm` the machine is emulated (QEMU's TCG: about ten times
@@ -40,6 +45,14 @@ DELEGATE = ("cd /sys/fs/cgroup && echo +memory > cgroup.subtree_control && mkdir
             "echo +memory > course/cgroup.subtree_control && chown -R nobody course && "
             "echo $$ > course/grader/cgroup.procs && cd - >/dev/null && "
             "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
+# the tree systemd gives a user (user@.service: `Delegate=pids memory cpu`, the user's own manager in it), and
+# this shell in a scope that manager made for it (`systemd-run --user --scope`), with the memory controller
+USER_TREE = "user.slice/user-65534.slice/user@65534.service"
+USER_SCOPE = ("cd /sys/fs/cgroup && mkdir -p " + USER_TREE + "/app.slice/run-gclab.scope && "
+              "for level in . user.slice user.slice/user-65534.slice " + USER_TREE + " " + USER_TREE + "/app.slice; "
+              "do echo +memory > $level/cgroup.subtree_control; done && chown -R nobody " + USER_TREE + " && "
+              "echo $$ > " + USER_TREE + "/app.slice/run-gclab.scope/cgroup.procs && cd - >/dev/null && "
+              "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
 # a Python under root's home (pyenv's), which nobody may not enter, shown to it: the home covered by an empty one
 # that holds only the interpreters, in the virtual machine alone
 SHOW_PYENV = ("mkdir -p /run/home-of-root && mount --bind /root /run/home-of-root && mount -t tmpfs -o mode=755 none "
@@ -76,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory", default="6G")
     parser.add_argument("--log", type=Path, help="also write the virtual machine's output here")
     parser.add_argument("--delegated", action="store_true", help="as a user without root, in a delegated subtree")
+    parser.add_argument("--user-scope", action="store_true",
+                        help="as a user without root, in a scope of its systemd user manager (systemd-run --user --scope)")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args(argv)
     tests = args.pytest_args or DEFAULT_TESTS
@@ -85,8 +100,8 @@ def main(argv=None) -> int:
     python = shlex.quote(str(ROOT / ".venv" / "bin" / "python"))
     inside = (f"{python} -c {shlex.quote(SAY_HIERARCHY)} && "
               f"{python} -m pytest -q -p no:cacheprovider {' '.join(map(shlex.quote, tests))}")
-    if args.delegated:
-        inside = (DELEGATE + _reachable_by_nobody(ROOT / ".venv" / "bin" / "python") + "exec setpriv --reuid nobody "
+    if args.delegated or args.user_scope:
+        inside = ((USER_SCOPE if args.user_scope else DELEGATE) + _reachable_by_nobody(ROOT / ".venv" / "bin" / "python") + "exec setpriv --reuid nobody "
                   f"--regid nogroup --clear-groups env PYTHONDONTWRITEBYTECODE=1 HOME=/tmp sh -c {shlex.quote(inside)}")
     script = ROOT / "autograder" / "work" / "cgroup2-inside.sh"    # the kernel's command line, which carries a
     script.parent.mkdir(exist_ok=True)                              # command, is cut at 2,048 characters

@@ -91,6 +91,8 @@ def main(argv=None) -> int:
                   + ("README's Colab links updated" if source.github else "not on GitHub: no Colab links"))
         return 0
     if args.command == "grade":
+        if argv is None:
+            _in_a_user_scope_where_that_makes_memory_groups()
         missing = [str(p) for p in args.notebooks if not p.is_file()]
         if missing:
             parser.error("no such notebook: " + ", ".join(missing))
@@ -116,6 +118,18 @@ def main(argv=None) -> int:
                              jobs=max(1, args.jobs), json_path=args.json, tests=not args.no_tests)
     from .tools import bench
     return bench.main(args.course or grading.find_course_root(), args.lessons)
+
+
+def _in_a_user_scope_where_that_makes_memory_groups() -> None:
+    """Run this command again in a scope of the user's systemd manager where the grader can make a memory
+    cgroup for each verdict there and not here (gclab.grader.memory_group.in_a_user_scope); else go on."""
+    import os
+    from .grader import memory_group
+    command = memory_group.in_a_user_scope([sys.executable, "-m", "gclab", *sys.argv[1:]])
+    if command:
+        print("grading in a scope of your systemd user manager (systemd-run --user --scope), where the grader "
+              "can make a memory cgroup for each verdict, as it cannot here", file=sys.stderr, flush=True)
+        os.execvpe(command[0], command, {**os.environ, memory_group.USER_SCOPE_ENV: "1"})
 
 
 class _Stopped(Exception):

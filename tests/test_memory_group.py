@@ -187,3 +187,67 @@ def test_cgroup_v2_window_peak_is_the_groups_where_it_rose_and_else_the_larger_c
         Path(group.path, "memory.peak").write_text(f"{group_peak * MiB}\n")
         readings.append(tuple(figure // MiB for figure in group.read([])))
     assert readings == [(10, 50), (30, 30), (20, 30), (40, 90), (5, 40)]
+
+
+
+def _fake_systemd_run(folder: Path, scope: str) -> None:
+    """A `systemd-run` on PATH that notes its arguments and the scope's environment, then: "none", fails as with
+    no user manager; "cannot", runs the command in a scope where no group can be made either; "can", answers
+    for a command run in a scope where one can."""
+    script = folder / "systemd-run"
+    script.write_text("#!/bin/sh\n"
+                      f'echo "$* | $GCLAB_GRADE_USER_SCOPE" >> "{folder}/calls"\n'
+                      + {"none": "exit 1\n", "can": "exit 0\n",
+                         "cannot": 'while [ "$1" != "--" ]; do shift; done; shift\n'
+                                   'GCLAB_GRADE_MEMORY_GROUP=0 exec "$@"\n'}[scope])
+    script.chmod(0o755)
+
+
+@pytest.fixture
+def ungrouped_on_cgroup2(tmp_path, monkeypatch):
+    """A grader on cgroup v2 that can make no group where it is (a login session's scope, owned by root)."""
+    monkeypatch.setattr(memory_group, "hierarchy", lambda: memory_group.Hierarchy(str(tmp_path), 2, "memory.current",
+                                                                                   "memory.peak"))
+    monkeypatch.setattr(memory_group, "available", lambda: "a memory cgroup could not be made: Permission denied")
+    monkeypatch.delenv(memory_group.USER_SCOPE_ENV, raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def _calls(folder: Path) -> list[str]:
+    return (folder / "calls").read_text().splitlines() if (folder / "calls").exists() else []
+
+
+def test_a_grader_that_can_make_no_group_runs_again_in_a_systemd_user_scope_that_can(ungrouped_on_cgroup2):
+    _fake_systemd_run(ungrouped_on_cgroup2, "can")
+    command = memory_group.in_a_user_scope(["gclab", "grade"])
+    assert command[1:] == ["--user", "--scope", "--quiet", "--property=MemoryAccounting=yes", "--", "gclab", "grade"]
+    [tried] = _calls(ungrouped_on_cgroup2)
+    assert tried.startswith("--user --scope --quiet --property=MemoryAccounting=yes -- ") and "available()" in tried
+    assert tried.endswith("| 1"), "the Python tried in the scope is told not to try again"
+
+
+@pytest.mark.parametrize("scope", ["none", "cannot"])
+def test_a_grader_stays_where_it_is_where_a_user_scope_cannot_be_had_or_would_not_help(ungrouped_on_cgroup2, scope):
+    _fake_systemd_run(ungrouped_on_cgroup2, scope)
+    assert memory_group.in_a_user_scope(["gclab", "grade"]) is None
+    assert len(_calls(ungrouped_on_cgroup2)) == 1
+
+
+def test_a_grader_tries_no_user_scope_where_it_can_make_groups_or_has_tried_once(ungrouped_on_cgroup2, monkeypatch):
+    _fake_systemd_run(ungrouped_on_cgroup2, "can")
+    monkeypatch.setenv(memory_group.USER_SCOPE_ENV, "1")
+    assert memory_group.in_a_user_scope(["gclab", "grade"]) is None
+    monkeypatch.delenv(memory_group.USER_SCOPE_ENV)
+    monkeypatch.setattr(memory_group, "available", lambda: None)
+    assert memory_group.in_a_user_scope(["gclab", "grade"]) is None
+    assert _calls(ungrouped_on_cgroup2) == []
+
+
+@needs_a_group
+def test_the_python_tried_in_a_user_scope_says_so_where_it_can_make_a_group():
+    import subprocess
+    import sys
+    assert subprocess.run([sys.executable, "-c", memory_group.CAN_MAKE_ONE]).returncode == 0
+    assert subprocess.run([sys.executable, "-c", memory_group.CAN_MAKE_ONE],
+                          env={**os.environ, "GCLAB_GRADE_MEMORY_GROUP": "0"}).returncode == 1

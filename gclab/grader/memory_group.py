@@ -18,7 +18,8 @@ next reading (`MemoryGroup.read` says None) and its test refuted.
 cgroup v1's memory hierarchy, where the grader may make a group in its own (root, or a delegated one), or
 cgroup v2's (`memory.current`, `memory.peak`), in the nearest group at or above its own whose children have
 the memory controller (at the root, where it may, the grader enables it), where it may make one (root, or
-a delegated subtree: a systemd user service with `Delegate=yes`).  From Linux 6.12 a v2 peak is reset for
+a delegated subtree: a systemd user service with `Delegate=yes`, or the scope of the user's own systemd manager
+that `in_a_user_scope` gives a grader that can make none where it is).  From Linux 6.12 a v2 peak is reset for
 the descriptor that writes to it, which the grader keeps; before, a window's peak is the group's peak where
 that rose in the window, else the larger of the charges at its two ends: never more than the window's own,
 and memory held at the window's end always shows.  Elsewhere (`available()` says why not) the resident figures decide alone, and README says what
@@ -33,7 +34,7 @@ import os
 import secrets
 import time
 
-__all__ = ["MemoryGroup", "available", "join"]
+__all__ = ["MemoryGroup", "available", "in_a_user_scope", "join"]
 
 V1_HIERARCHY = "/sys/fs/cgroup/memory"
 PREFIX = "gclab-verdict-"
@@ -156,6 +157,36 @@ def _try_one() -> str | None:
         return f"a memory cgroup could not be made in {folder}: {error.strerror}"
     group.remove()
     return None
+
+
+# set in a grader run again in a scope of the user's systemd manager (`in_a_user_scope`), so that it is done once
+USER_SCOPE_ENV = "GCLAB_GRADE_USER_SCOPE"
+_SYSTEMD_RUN_SCOPE = ("--user", "--scope", "--quiet", "--property=MemoryAccounting=yes", "--")
+CAN_MAKE_ONE = "from gclab.grader import memory_group as m; raise SystemExit(m.available() is not None)"
+
+
+def in_a_user_scope(argv: list[str]) -> list[str] | None:
+    """`argv` as a command that runs it in a new scope of this user's systemd manager, where a grader that can
+    make no memory group here (cgroup v2, no root, no delegated subtree: a login session) can make them; None
+    where it can make them here, or where that scope cannot be had or would not help (tried once, with a
+    Python that says whether it could make one there).
+
+    systemd's user@.service delegates the memory controller to the user's own manager (`Delegate=pids memory
+    cpu`), whose tree its user owns; `systemd-run --user --scope` starts a command in it."""
+    import shutil
+    import subprocess
+    import sys
+    if os.environ.get(USER_SCOPE_ENV) or os.environ.get("GCLAB_GRADE_MEMORY_GROUP") == "0" or available() is None:
+        return None
+    where, systemd_run = hierarchy(), shutil.which("systemd-run")
+    if where is None or where.version != 2 or systemd_run is None:
+        return None
+    try:
+        tried = subprocess.run([systemd_run, *_SYSTEMD_RUN_SCOPE, sys.executable, "-c", CAN_MAKE_ONE],
+                               env={**os.environ, USER_SCOPE_ENV: "1"}, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [systemd_run, *_SYSTEMD_RUN_SCOPE, *argv] if tried.returncode == 0 else None
 
 
 class MemoryGroup:
