@@ -17,8 +17,12 @@ process in `course/grader/`, both owned by that user; `autograder/work/`, where 
 reference's figures, is an empty folder of that user's in the virtual machine.  `--user-scope` runs them as
 `nobody` in the tree systemd gives a user (`user.slice/user-65534.slice/user@65534.service`, owned by the user,
 with the memory controller), in a scope of it beside this shell (`app.slice/run-gclab.scope`), where
-`systemd-run --user --scope` starts a command (`gclab grade` runs itself there where it can make no group
-where it is: `memory_group.in_a_user_scope`); the virtual machine has no systemd, so the tree is made by hand.
+`systemd-run --user --scope` starts a command; the virtual machine has no systemd, so the tree is made by
+hand.  `--login-session` puts this shell in a login session's scope of that user (root's, from which no group
+can be made), the user lingering, and a `systemd-run` on its PATH that does what systemd's does (a process with
+root, as systemd's PID 1, attaches the caller to a new scope in the user's tree), then runs `gclab grade` on
+lesson 04's reference (or the notebooks given), which is to run itself again in such a scope
+(`memory_group.in_a_user_scope`), say so, and grade with a memory cgroup.
 
 Needs, once (as root): `apt-get install qemu-system-x86 linux-image-amd64`; virtme-ng is installed by the
 script into autograder/work/vng-env.  Without `--kvm` the machine is emulated (QEMU's TCG: about ten times
@@ -53,6 +57,21 @@ USER_SCOPE = ("cd /sys/fs/cgroup && mkdir -p " + USER_TREE + "/app.slice/run-gcl
               "do echo +memory > $level/cgroup.subtree_control; done && chown -R nobody " + USER_TREE + " && "
               "echo $$ > " + USER_TREE + "/app.slice/run-gclab.scope/cgroup.procs && cd - >/dev/null && "
               "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
+# the same tree, the user lingering, with this shell in a login session's scope (root's, as logind makes it), from which no group can be
+# made, and a `systemd-run` that does what systemd's does for `--user --scope`: asks a manager with root (systemd's
+# PID 1, asked by the user's manager) to attach its process to a new scope in the user's tree, then runs the command
+SESSION = "user.slice/user-65534.slice/session-1.scope"
+LOGIN_SESSION = (USER_SCOPE.replace("/app.slice/run-gclab.scope/cgroup.procs", "/../session-1.scope/cgroup.procs")
+                 .replace("mkdir -p ", "mkdir -p " + SESSION + " ") +
+                 "mount -t tmpfs none /var/lib/systemd && mkdir /var/lib/systemd/linger && "
+                 "touch /var/lib/systemd/linger/nobody && "     # the user lingers (`loginctl enable-linger`)
+                 "mkdir -p /run/systemd-here && cd /run/systemd-here && mkfifo attach attached && chmod 666 attach attached && "
+                 "printf '%s\\n' '#!/bin/sh' 'while [ \"$1\" != -- ]; do shift; done; shift' "
+                 "'echo $$ > /run/systemd-here/attach; read done < /run/systemd-here/attached; exec \"$@\"' > systemd-run && "
+                 "chmod 755 systemd-run && cd - >/dev/null && "
+                 "(while read pid < /run/systemd-here/attach; do scope=/sys/fs/cgroup/" + USER_TREE + "/app.slice/run-$pid.scope; "
+                 "mkdir $scope && chown -R nobody $scope && echo $pid > $scope/cgroup.procs; "
+                 "echo attached > /run/systemd-here/attached; done) & ")
 # a Python under root's home (pyenv's), which nobody may not enter, shown to it: the home covered by an empty one
 # that holds only the interpreters, in the virtual machine alone
 SHOW_PYENV = ("mkdir -p /run/home-of-root && mount --bind /root /run/home-of-root && mount -t tmpfs -o mode=755 none "
@@ -91,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--delegated", action="store_true", help="as a user without root, in a delegated subtree")
     parser.add_argument("--user-scope", action="store_true",
                         help="as a user without root, in a scope of its systemd user manager (systemd-run --user --scope)")
+    parser.add_argument("--login-session", action="store_true",
+                        help="as a user without root, in a login session's scope, `gclab grade` of lesson 04's "
+                             "reference (or the notebooks given): it runs itself again in a user scope")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args(argv)
     tests = args.pytest_args or DEFAULT_TESTS
@@ -100,8 +122,13 @@ def main(argv=None) -> int:
     python = shlex.quote(str(ROOT / ".venv" / "bin" / "python"))
     inside = (f"{python} -c {shlex.quote(SAY_HIERARCHY)} && "
               f"{python} -m pytest -q -p no:cacheprovider {' '.join(map(shlex.quote, tests))}")
-    if args.delegated or args.user_scope:
-        inside = ((USER_SCOPE if args.user_scope else DELEGATE) + _reachable_by_nobody(ROOT / ".venv" / "bin" / "python") + "exec setpriv --reuid nobody "
+    if args.login_session:
+        notebooks = args.pytest_args or sorted(glob.glob(str(ROOT / "solutions" / "04_*" / "*.ipynb")))
+        inside = (f"{python} -c {shlex.quote(SAY_HIERARCHY)}; PATH=/run/systemd-here:$PATH {python} -m gclab grade "
+                  + " ".join(map(shlex.quote, notebooks)))
+    if args.delegated or args.user_scope or args.login_session:
+        prefix = LOGIN_SESSION if args.login_session else USER_SCOPE if args.user_scope else DELEGATE
+        inside = (prefix + _reachable_by_nobody(ROOT / ".venv" / "bin" / "python") + "exec setpriv --reuid nobody "
                   f"--regid nogroup --clear-groups env PYTHONDONTWRITEBYTECODE=1 HOME=/tmp sh -c {shlex.quote(inside)}")
     script = ROOT / "autograder" / "work" / "cgroup2-inside.sh"    # the kernel's command line, which carries a
     script.parent.mkdir(exist_ok=True)                              # command, is cut at 2,048 characters
@@ -117,6 +144,9 @@ def main(argv=None) -> int:
     output = "".join(lines)
     if args.log:
         args.log.write_text(output)
+    if args.login_session:
+        return 0 if "grading in a scope of your systemd user manager" in output and "total:" in output \
+            and "makes no memory cgroup" not in output else 1
     return 0 if "hierarchy: Hierarchy(" in output and " passed" in output and " failed" not in output else 1
 
 

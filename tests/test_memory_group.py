@@ -211,6 +211,10 @@ def ungrouped_on_cgroup2(tmp_path, monkeypatch):
     monkeypatch.setattr(memory_group, "available", lambda: "a memory cgroup could not be made: Permission denied")
     monkeypatch.delenv(memory_group.USER_SCOPE_ENV, raising=False)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    import pwd
+    (tmp_path / "linger").mkdir()
+    (tmp_path / "linger" / pwd.getpwuid(os.getuid()).pw_name).touch()
+    monkeypatch.setattr(memory_group, "LINGER_FOLDER", str(tmp_path / "linger"))
     return tmp_path
 
 
@@ -232,6 +236,16 @@ def test_a_grader_stays_where_it_is_where_a_user_scope_cannot_be_had_or_would_no
     _fake_systemd_run(ungrouped_on_cgroup2, scope)
     assert memory_group.in_a_user_scope(["gclab", "grade"]) is None
     assert len(_calls(ungrouped_on_cgroup2)) == 1
+
+
+def test_a_grader_tries_no_user_scope_that_ends_with_the_users_last_session(ungrouped_on_cgroup2, monkeypatch):
+    # without lingering, logging out ends the user's manager and every process in its tree: a class graded in a
+    # terminal multiplexer would be ended with it
+    _fake_systemd_run(ungrouped_on_cgroup2, "can")
+    monkeypatch.setattr(memory_group, "LINGER_FOLDER", str(ungrouped_on_cgroup2 / "no-linger"))
+    assert not memory_group.lingers()
+    assert memory_group.in_a_user_scope(["gclab", "grade"]) is None
+    assert _calls(ungrouped_on_cgroup2) == []
 
 
 def test_a_grader_tries_no_user_scope_where_it_can_make_groups_or_has_tried_once(ungrouped_on_cgroup2, monkeypatch):

@@ -424,7 +424,8 @@ def _say_once_ungrouped() -> str:
     _say_once("memory group", f"the grader makes no memory cgroup for its verdicts on this machine ({why}): "
               "memory a submission moves into shared memory or a file it maps, and drops from its own pages, is "
               "out of the grader's sight; a grader run as root, or in a delegated cgroup (a systemd user service "
-              "with Delegate=yes, or `gclab grade` run where systemd-run --user --scope gives it one), counts it")
+              "with Delegate=yes; a user without root on a machine with systemd: `loginctl enable-linger`, and "
+              "`gclab grade` runs itself in a scope of that user's own systemd manager, which has one), counts it")
     return f"without a memory cgroup ({why})"
 
 

@@ -161,6 +161,7 @@ def _try_one() -> str | None:
 
 # set in a grader run again in a scope of the user's systemd manager (`in_a_user_scope`), so that it is done once
 USER_SCOPE_ENV = "GCLAB_GRADE_USER_SCOPE"
+LINGER_FOLDER = "/var/lib/systemd/linger"
 _SYSTEMD_RUN_SCOPE = ("--user", "--scope", "--quiet", "--property=MemoryAccounting=yes", "--")
 CAN_MAKE_ONE = "from gclab.grader import memory_group as m; raise SystemExit(m.available() is not None)"
 
@@ -169,14 +170,18 @@ def in_a_user_scope(argv: list[str]) -> list[str] | None:
     """`argv` as a command that runs it in a new scope of this user's systemd manager, where a grader that can
     make no memory group here (cgroup v2, no root, no delegated subtree: a login session) can make them; None
     where it can make them here, or where that scope cannot be had or would not help (tried once, with a
-    Python that says whether it could make one there).
+    Python that says whether it could make one there), or would end before the grading does.
 
     systemd's user@.service delegates the memory controller to the user's own manager (`Delegate=pids memory
-    cpu`), whose tree its user owns; `systemd-run --user --scope` starts a command in it."""
+    cpu`), whose tree its user owns; `systemd-run --user --scope` starts a command in it.  That manager, and
+    every process in its tree, ends with the user's last session unless the user lingers (`loginctl
+    enable-linger`), where a grading left running in a terminal multiplexer after logging out would end with
+    it: only a lingering user's grader moves."""
     import shutil
     import subprocess
     import sys
-    if os.environ.get(USER_SCOPE_ENV) or os.environ.get("GCLAB_GRADE_MEMORY_GROUP") == "0" or available() is None:
+    if os.environ.get(USER_SCOPE_ENV) or os.environ.get("GCLAB_GRADE_MEMORY_GROUP") == "0" or available() is None \
+            or not lingers():
         return None
     where, systemd_run = hierarchy(), shutil.which("systemd-run")
     if where is None or where.version != 2 or systemd_run is None:
@@ -187,6 +192,15 @@ def in_a_user_scope(argv: list[str]) -> list[str] | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return [systemd_run, *_SYSTEMD_RUN_SCOPE, *argv] if tried.returncode == 0 else None
+
+
+def lingers() -> bool:
+    """Whether systemd keeps this user's own manager running with no session open (`loginctl enable-linger`)."""
+    import pwd
+    try:
+        return os.path.exists(os.path.join(LINGER_FOLDER, pwd.getpwuid(os.getuid()).pw_name))
+    except KeyError:
+        return False
 
 
 class MemoryGroup:
