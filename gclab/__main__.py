@@ -91,11 +91,11 @@ def main(argv=None) -> int:
                   + ("README's Colab links updated" if source.github else "not on GitHub: no Colab links"))
         return 0
     if args.command == "grade":
-        if argv is None:
-            _in_a_user_scope_where_that_makes_memory_groups()
         missing = [str(p) for p in args.notebooks if not p.is_file()]
         if missing:
             parser.error("no such notebook: " + ", ".join(missing))
+        if argv is None:                # run as a command, not called (the tests)
+            _in_a_user_scope_where_that_makes_memory_groups()
         a_class = not args.notebooks or args.submissions
         kept = ("the submissions graded so far are in the gradebook, autograded/ and feedback/ (reports/ holds no "
                 "report of this run); the same command grades the rest" if a_class else "nothing was written")

@@ -32,6 +32,9 @@ import errno
 import functools
 import os
 import secrets
+import shutil
+import subprocess
+import sys
 import time
 
 __all__ = ["MemoryGroup", "available", "in_a_user_scope", "join"]
@@ -177,9 +180,6 @@ def in_a_user_scope(argv: list[str]) -> list[str] | None:
     every process in its tree, ends with the user's last session unless the user lingers (`loginctl
     enable-linger`), where a grading left running in a terminal multiplexer after logging out would end with
     it: only a lingering user's grader moves."""
-    import shutil
-    import subprocess
-    import sys
     if os.environ.get(USER_SCOPE_ENV) or os.environ.get("GCLAB_GRADE_MEMORY_GROUP") == "0" or available() is None \
             or not lingers():
         return None
