@@ -49,20 +49,26 @@ DELEGATE = ("cd /sys/fs/cgroup && echo +memory > cgroup.subtree_control && mkdir
             "echo +memory > course/cgroup.subtree_control && chown -R nobody course && "
             "echo $$ > course/grader/cgroup.procs && cd - >/dev/null && "
             "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
-# the tree systemd gives a user (user@.service: `Delegate=pids memory cpu`, the user's own manager in it), and
-# this shell in a scope that manager made for it (`systemd-run --user --scope`), with the memory controller
+# the tree systemd gives a user (user@.service: `Delegate=pids memory cpu`, the user's own manager in it), owned by
+# the user, with the memory controller down to app.slice, and this shell moved into `group`
 USER_TREE = "user.slice/user-65534.slice/user@65534.service"
-USER_SCOPE = ("cd /sys/fs/cgroup && mkdir -p " + USER_TREE + "/app.slice/run-gclab.scope && "
-              "for level in . user.slice user.slice/user-65534.slice " + USER_TREE + " " + USER_TREE + "/app.slice; "
-              "do echo +memory > $level/cgroup.subtree_control; done && chown -R nobody " + USER_TREE + " && "
-              "echo $$ > " + USER_TREE + "/app.slice/run-gclab.scope/cgroup.procs && cd - >/dev/null && "
-              "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
-# the same tree, the user lingering, with this shell in a login session's scope (root's, as logind makes it), from which no group can be
-# made, and a `systemd-run` that does what systemd's does for `--user --scope`: asks a manager with root (systemd's
-# PID 1, asked by the user's manager) to attach its process to a new scope in the user's tree, then runs the command
-SESSION = "user.slice/user-65534.slice/session-1.scope"
-LOGIN_SESSION = (USER_SCOPE.replace("/app.slice/run-gclab.scope/cgroup.procs", "/../session-1.scope/cgroup.procs")
-                 .replace("mkdir -p ", "mkdir -p " + SESSION + " ") +
+
+
+def _users_tree_with_this_shell_in(group: str) -> str:
+    return ("cd /sys/fs/cgroup && mkdir -p " + USER_TREE + "/app.slice " + group + " && "
+            "for level in . user.slice user.slice/user-65534.slice " + USER_TREE + " " + USER_TREE + "/app.slice; "
+            "do echo +memory > $level/cgroup.subtree_control; done && chown -R nobody " + USER_TREE + " && "
+            "echo $$ > " + group + "/cgroup.procs && cd - >/dev/null && "
+            "mount -t tmpfs -o mode=755,uid=65534 none autograder/work && ")
+
+
+# this shell in a scope the user's manager made for it (`systemd-run --user --scope`)
+USER_SCOPE = _users_tree_with_this_shell_in(USER_TREE + "/app.slice/run-gclab.scope")
+# this shell in a login session's scope (root's, as logind makes it), from which no group can be made, the user
+# lingering, and a `systemd-run` that does what systemd's does for `--user --scope`: asks a manager with root
+# (systemd's PID 1, asked by the user's manager) to attach its process to a new scope in the user's tree, then
+# runs the command
+LOGIN_SESSION = (_users_tree_with_this_shell_in("user.slice/user-65534.slice/session-1.scope") +
                  "mount -t tmpfs none /var/lib/systemd && mkdir /var/lib/systemd/linger && "
                  "touch /var/lib/systemd/linger/nobody && "     # the user lingers (`loginctl enable-linger`)
                  "mkdir -p /run/systemd-here && cd /run/systemd-here && mkfifo attach attached && chmod 666 attach attached && "
