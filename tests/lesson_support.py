@@ -91,12 +91,17 @@ def test_every_wrong_fix_that_loses_points_fails_a_visible_self_check(graded, re
     self-checks, which ran in its grading as they run in a learner's kernel (`passed_visibly`).  The hidden
     tests may use other inputs and sizes, never other rules.  A module may name, in NOT_YET_CAUGHT_VISIBLY
     (name -> why), wrong fixes its self-checks cannot catch yet: those must still pass visibly, so that the
-    list is taken down as soon as a self-check catches one."""
+    list is taken down as soon as a self-check catches one.  Its KNOWN_GAPS (wrong fixes the grading is known to
+    give full marks, in an xfail test of their own) are not judged here: where the grader's figures happen to
+    refute one, no visible self-check was meant to (lesson 06's waits for more idle time than the load's lulls
+    leave on a busy machine, now and then)."""
     assert all(passed_visibly(t) for t in graded["solution"].tests), "the solution fails a visible self-check"
     known = getattr(request.module, "NOT_YET_CAUGHT_VISIBLY", {})
+    gaps = getattr(request.module, "KNOWN_GAPS", {})
     passed, caught_now = {}, []
     for name, result in graded.items():
-        if name in ("solution", "untouched") or result.score >= result.max_score or refused_for_tampering(result):
+        if (name in ("solution", "untouched", *gaps) or result.score >= result.max_score
+                or refused_for_tampering(result)):
             continue
         if all(passed_visibly(t) for t in result.tests):
             lost = [f"{t.id}: {t.message[:200]}" for t in result.tests if t.status != "passed"]

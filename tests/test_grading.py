@@ -942,6 +942,39 @@ def test_a_pass_refuted_by_its_cgroups_charges_alone_is_graded_once_more(course,
     assert (len(calls), result.score) == (graded, score), grading.format_results([result])
 
 
+def _timed(monkeypatch, slow_runs) -> list:
+    """run_verdict, every test's calls timed by the grader (1 ms of CPU each, 50 ms in the runs numbered in
+    `slow_runs`, the reference's the first) and a full collection priced at 4 ms: the runs."""
+    real, runs = grading.run_verdict, []
+
+    def run_verdict(job, whole=None, **kwargs):
+        results = real(job, whole=whole, **kwargs)
+        runs.append(job["tests"])
+        for result in results.values():
+            result.measured["calls"] = [0.050 if len(runs) in slow_runs else 0.001] * 20
+        whole[0]["full_collection_cpu_s"] = 0.004
+        return results
+    monkeypatch.setattr(grading, "run_verdict", run_verdict)
+    return runs
+
+
+@pytest.mark.parametrize("slow_runs, graded, score", [
+    ({2}, 2, 2),            # the machine ran slow for the first run: the second run's figures decide
+    ({2, 3}, 2, 0),         # slow in both runs, as a collection inside every call is: refuted
+], ids=["slow_once_then_not", "slow_every_time"])
+def test_a_pass_refuted_by_its_calls_cpu_time_alone_is_graded_once_more(tmp_path, monkeypatch, slow_runs, graded,
+                                                                        score):
+    course = make_course(tmp_path / "course", {
+        "toy": _lesson("### BEGIN SOLUTION\ndef double(x):\n    return 2 * x\n### END SOLUTION")})
+    runs = _timed(monkeypatch, slow_runs)
+    grading.reference_of(course, "toy")
+    path = _submit(course, tmp_path, "right", "def double(x):\n    return 2 * x")
+    result, = grading.grade([path], root=course)
+    assert (len(runs) - 1, result.score) == (graded, score), grading.format_results([result])
+    if score == 0:
+        assert "found 20 that took far more CPU time" in result.tests[0].message, result.tests[0].message
+
+
 @pytest.mark.skipif(memory_group.available() is not None, reason="no memory cgroup here")
 def test_a_grader_that_can_make_no_memory_cgroup_says_so_once_and_in_each_result(course, tmp_path, monkeypatch, capfd):
     from gclab.grader import launch

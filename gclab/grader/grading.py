@@ -316,10 +316,12 @@ def _judge(root, workdir, source_nb, submitted, result, cell_timeout, memory_lim
     conditions = {"cell_timeout": cell_timeout, "memory_limit": memory_limit, "timeout": timeout}
     reference = reference_figures(root, result.assignment, result.lesson_notebook, source_nb, conditions)
     job = _run_tests(root, workdir, source_nb, submitted, result, conditions)
-    if _refuted_by_charges_alone(result, reference):
+    if _refuted_only_by_what_the_machine_moves(result, reference):
         # files the verdict read that the page cache had let go of since the reference's run are charged to the
         # verdict's memory cgroup (measured: lesson 06's reference, its cache dropped, 371.2 MiB where its own
-        # run grew 216.5): graded once more, the cache warm again, and the second run's figures decide
+        # run grew 216.5); and a shared machine's cores run slower at times, in CPU time too (measured: lesson
+        # 08's reference calls, median 2.1 ms, 4.2 ms within one suite's run): graded once more, and the second
+        # run's figures decide
         _empty(workdir)
         job = _run_tests(root, workdir, source_nb, submitted, result, conditions)
     _confirm(result, reference)
@@ -354,14 +356,16 @@ def _figures_of(whole: list) -> dict:
     return {key: value for key, value in whole[0].items() if key != "unguarded"} if len(whole) == 1 else {}
 
 
-def _refuted_by_charges_alone(result: NotebookResult, reference: dict) -> bool:
-    """Would a "passed" be refuted by the memory charged to the verdict's cgroup, and by no other figure?"""
+def _refuted_only_by_what_the_machine_moves(result: NotebookResult, reference: dict) -> bool:
+    """Would a "passed" be refuted only by figures the machine's state moves as well as the learner's code: the
+    memory charged to the verdict's cgroup (the page cache), the CPU time of its calls and of its server's
+    busy stretches (how fast the shared cores run)?"""
     price = measured.collection_price(reference.get("run") or {}, result.measured)
     for test in result.tests:
         ref = reference["tests"].get(test.id)
-        uncharged = measured.without_charges(test.measured)
+        steady = measured.without_timings(measured.without_charges(test.measured))
         if (measured.confirm(test.status, test.observed, test.measured, ref, price)
-                and not measured.confirm(test.status, test.observed, uncharged, ref, price)):
+                and not measured.confirm(test.status, test.observed, steady, ref, price)):
             return True
     ref_tests = [t.get("measured") or {} for t in reference["tests"].values()]
     ref_between = measured.outside_the_tests(reference.get("run") or {}, ref_tests)

@@ -376,6 +376,17 @@ def without_charges(figures: dict) -> dict:
     return {key: value for key, value in figures.items() if not key.startswith("charged_")}
 
 
+def without_timings(figures: dict) -> dict:
+    """`figures` less the CPU time of the test's calls and of its loads' busy stretches (`calls_disagree`,
+    `loads_disagree`); how many calls there were, and all else of the loads, kept."""
+    steady = dict(figures)
+    if "calls" in figures:
+        steady["calls"] = [0.0] * len(figures["calls"])
+    if "loads" in figures:
+        steady["loads"] = [{**load, "stretches": []} for load in figures["loads"]]
+    return steady
+
+
 def _allowed(reference_growth: int, slack: int) -> float:
     """Growth allowed where the reference's grew `reference_growth` (what a reference frees, of memory
     earlier tests left, is no growth the learner's must match)."""
