@@ -67,9 +67,10 @@ lab: $(STAMP) $(KERNEL)
 
 # One pass, TEST_JOBS modules at a time (pytest-xdist), the longest modules first (tests/conftest.py;
 # --no-loadscope-reorder: not xdist's own order, by number of tests), so that no worker is left alone
-# with a long one at the end. Three modules at a time on 2 cores: a grading waits for a good part of
-# its time (lesson 06's gradings, one at a time, keep 0.6 of a core busy), so a third worker fills the
-# waits (measured: 11:47 where two took 15:04). The tests that time a server (marked `timed`) run beside
+# with a long one at the end. Three modules at a time on 2 cores: a grading waits for part of its time
+# (one of lesson 06's keeps 0.6 of a core busy), and a third worker fills some of the waits (measured
+# 2026-11-29: a fresh clone's `.ci/run` 14:12 where two took 14:50; `make test` again 11:47 where two
+# took 15:04). The tests that time a server (marked `timed`) run beside
 # the rest: their verdicts are judged in CPU time and hold beside two CPU hogs, and a pass that only the
 # CPU time refutes is graded once more (gclab.grader.grading._judge).
 # A pass that selects no test (exit 5, PYTEST_ARGS="-k meter") is not a failure.
