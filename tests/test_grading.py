@@ -911,15 +911,17 @@ def test_a_graders_pythonoptimize_does_not_strip_the_tests_asserts(course, tmp_p
     assert failed and not any("your process reported" in t.message for t in failed), grading.format_results([result])
 
 
-def _inflating(monkeypatch, key: str, runs: int) -> list:
-    """run_verdict, with `key` of every test's figures raised by 500 MiB in its first `runs` calls (a cold page
-    cache charging the files read to the verdict's memory cgroup; or a process that hid memory); the calls."""
+def _inflating(monkeypatch, key: str, runs: set) -> list:
+    """run_verdict, with `key` of every test's figures raised by 500 MiB in the calls numbered in `runs` (a cold
+    page cache charging the files read to the verdict's memory cgroup; or a process that hid memory): the
+    submission's run is the first, then, where that is graded once more, the reference's run again and the
+    submission's; the calls."""
     real, calls = grading.run_verdict, []
 
     def run_verdict(job, **kwargs):
         results = real(job, **kwargs)
         calls.append(job["tests"])
-        if len(calls) <= runs:
+        if len(calls) in runs:
             for result in results.values():
                 result.measured[key] = result.measured.get(key, 0) + 500 * 1024 * 1024
         return results
@@ -929,9 +931,9 @@ def _inflating(monkeypatch, key: str, runs: int) -> list:
 
 @pytest.mark.skipif(memory_group.available() is not None, reason="no memory cgroup here")
 @pytest.mark.parametrize("inflated, runs, graded, score", [
-    ("charged_peak_growth", 1, 2, 2),       # a cold cache: the second run's figures decide
-    ("charged_peak_growth", 9, 2, 0),       # charged in both runs: refuted
-    ("peak_growth", 1, 1, 0),               # the resident figures refute alone: no second run
+    ("charged_peak_growth", {1}, 3, 2),     # a cold cache: the second run's figures decide
+    ("charged_peak_growth", {1, 3}, 3, 0),  # charged in both runs: refuted
+    ("peak_growth", {1}, 1, 0),             # the resident figures refute alone: no second run
 ], ids=["charged_once_then_not", "charged_every_time", "resident_figures_over"])
 def test_a_pass_refuted_by_its_cgroups_charges_alone_is_graded_once_more(course, tmp_path, monkeypatch,
                                                                         inflated, runs, graded, score):
@@ -944,7 +946,8 @@ def test_a_pass_refuted_by_its_cgroups_charges_alone_is_graded_once_more(course,
 
 def _timed(monkeypatch, slow_runs) -> list:
     """run_verdict, every test's calls timed by the grader (1 ms of CPU each, 50 ms in the runs numbered in
-    `slow_runs`, the reference's the first) and a full collection priced at 4 ms: the runs."""
+    `slow_runs`: the reference's kept run is the first, the submission's the second, then, where that is refuted,
+    the reference's run again and the submission's) and a full collection priced at 4 ms: the runs."""
     real, runs = grading.run_verdict, []
 
     def run_verdict(job, whole=None, **kwargs):
@@ -959,9 +962,10 @@ def _timed(monkeypatch, slow_runs) -> list:
 
 
 @pytest.mark.parametrize("slow_runs, graded, score", [
-    ({2}, 2, 2),            # the machine ran slow for the first run: the second run's figures decide
-    ({2, 3}, 2, 0),         # slow in both runs, as a collection inside every call is: refuted
-], ids=["slow_once_then_not", "slow_every_time"])
+    ({2}, 3, 2),            # the machine ran slow for the first run: the second run's figures decide
+    ({2, 4}, 3, 0),         # the submission's runs slow and the reference's not, as a collection inside every call is
+    ({2, 3, 4}, 3, 2),      # the machine slow since the reference was kept: the reference run again is as slow
+], ids=["slow_once_then_not", "slow_every_time", "machine_slow_since_the_reference_was_kept"])
 def test_a_pass_refuted_by_its_calls_cpu_time_alone_is_graded_once_more(tmp_path, monkeypatch, slow_runs, graded,
                                                                         score):
     course = make_course(tmp_path / "course", {
