@@ -911,22 +911,30 @@ def test_a_graders_pythonoptimize_does_not_strip_the_tests_asserts(course, tmp_p
     assert failed and not any("your process reported" in t.message for t in failed), grading.format_results([result])
 
 
+def _altering_runs(monkeypatch, alter) -> list:
+    """run_verdict, its results and whole-run figures handed to `alter(number, results, whole)` (runs numbered
+    from 1 once this is in place); the runs."""
+    real, runs = grading.run_verdict, []
+
+    def run_verdict(job, whole=None, **kwargs):
+        results = real(job, whole=whole, **kwargs)
+        runs.append(job["tests"])
+        alter(len(runs), results, whole)
+        return results
+    monkeypatch.setattr(grading, "run_verdict", run_verdict)
+    return runs
+
+
 def _inflating(monkeypatch, key: str, runs: set) -> list:
     """run_verdict, with `key` of every test's figures raised by 500 MiB in the calls numbered in `runs` (a cold
     page cache charging the files read to the verdict's memory cgroup; or a process that hid memory): the
     submission's run is the first, then, where that is graded once more, the reference's run again and the
     submission's; the calls."""
-    real, calls = grading.run_verdict, []
-
-    def run_verdict(job, **kwargs):
-        results = real(job, **kwargs)
-        calls.append(job["tests"])
-        if len(calls) in runs:
+    def inflate(number, results, whole):
+        if number in runs:
             for result in results.values():
                 result.measured[key] = result.measured.get(key, 0) + 500 * 1024 * 1024
-        return results
-    monkeypatch.setattr(grading, "run_verdict", run_verdict)
-    return calls
+    return _altering_runs(monkeypatch, inflate)
 
 
 @pytest.mark.skipif(memory_group.available() is not None, reason="no memory cgroup here")
@@ -948,17 +956,11 @@ def _timed(monkeypatch, slow_runs) -> list:
     """run_verdict, every test's calls timed by the grader (1 ms of CPU each, 50 ms in the runs numbered in
     `slow_runs`: the reference's kept run is the first, the submission's the second, then, where that is refuted,
     the reference's run again and the submission's) and a full collection priced at 4 ms: the runs."""
-    real, runs = grading.run_verdict, []
-
-    def run_verdict(job, whole=None, **kwargs):
-        results = real(job, whole=whole, **kwargs)
-        runs.append(job["tests"])
+    def time_calls(number, results, whole):
         for result in results.values():
-            result.measured["calls"] = [0.050 if len(runs) in slow_runs else 0.001] * 20
+            result.measured["calls"] = [0.050 if number in slow_runs else 0.001] * 20
         whole[0]["full_collection_cpu_s"] = 0.004
-        return results
-    monkeypatch.setattr(grading, "run_verdict", run_verdict)
-    return runs
+    return _altering_runs(monkeypatch, time_calls)
 
 
 @pytest.mark.parametrize("slow_runs, graded, score", [
